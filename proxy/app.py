@@ -1,0 +1,370 @@
+"""HTTP routes: parse, call the core or the right edge component, translate errors. No logic.
+
+``create_app(settings, transport=None)``: ``transport`` lets tests put fake replicas behind the
+proxy through an ASGI transport without sockets.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from proxy.control import ControlPlane, Reply
+from proxy.core.extract import RoutingKey, Tokenizer, extract_chat, extract_completion
+from proxy.core.fleet import Fleet, Status
+from proxy.core.hashing import make_hasher
+from proxy.core.policy import make_policy
+from proxy.core.prefix_index import PrefixIndex
+from proxy.core.router import Router
+from proxy.dataplane import DataPlane
+from proxy.errors import InvalidRequest, NotSupported, ProxyError, UpstreamUnavailable
+from proxy.health import HealthMonitor
+from proxy.metrics import Metrics, status_label
+from proxy.probes import Probes
+from proxy.settings import Settings
+from proxy.upstream import Upstream
+
+log = logging.getLogger("rollout_proxy")
+
+DEFAULT_BLOCK_SIZE = 16  # vLLM's default on GPU, and the published recipe's --block-size
+NCCL_ENDPOINTS = (
+    "/init_weight_transfer_engine",
+    "/start_weight_update",
+    "/update_weights",
+    "/finish_weight_update",
+)
+
+
+@dataclass
+class Runtime:
+    """Everything one app instance owns (no module-level state)."""
+
+    settings: Settings
+    metrics: Metrics
+    fleet: Fleet
+    upstream: Upstream
+    router: Router
+    control: ControlPlane
+    health: HealthMonitor
+    data: DataPlane
+    probes: Probes
+    tokenizer: Tokenizer | None
+    routing_error: str | None = None
+
+
+def _load_tokenizer(path: str) -> Tokenizer:
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise RuntimeError("PROXY_TOKENIZER needs the [tokenizer] extra (transformers)") from exc
+    hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+    class _Adapter:
+        def encode_text(self, text: str) -> list[int]:
+            return list(hf.encode(text, add_special_tokens=True))
+
+        def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+            ids = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict):  # newer transformers return a BatchEncoding
+                ids = ids["input_ids"]
+            return list(ids)
+
+    return _Adapter()
+
+
+def _agreed(values: dict[int, Any], what: str) -> tuple[Any, str | None]:
+    distinct = {v for v in values.values() if v is not None}
+    if len(distinct) > 1:
+        listing = ", ".join(f"replica {i}: {v}" for i, v in sorted(values.items()))
+        return None, f"replicas disagree on {what} ({listing}); refusing to route"
+    return (distinct.pop() if distinct else None), None
+
+
+def build_runtime(settings: Settings, transport: httpx.AsyncBaseTransport | None) -> Runtime:
+    metrics = Metrics()
+    fleet = Fleet(settings.replicas, eject_after=settings.eject_after)
+    upstream = Upstream(settings, transport)
+    router = Router(
+        make_hasher(
+            settings.hash_mode,
+            settings.block_size or DEFAULT_BLOCK_SIZE,
+            settings.vllm_hash_algo or "sha256",
+            settings.vllm_hash_seed,
+        ),
+        PrefixIndex(settings.index_capacity, settings.max_replicas),
+        make_policy(settings.policy, settings.imbalance),
+    )
+    secrets = (settings.upstream_token.get_secret_value(),) if settings.upstream_token else ()
+    checker = None
+    control = ControlPlane(settings, fleet, router, upstream, metrics, path_check=checker)
+    health = HealthMonitor(settings, fleet, control, upstream, metrics)
+    rt_holder: dict[str, Runtime] = {}
+    data = DataPlane(
+        fleet, router, upstream, metrics, control.eject, lambda: rt_holder["rt"].routing_error
+    )
+    rt = Runtime(
+        settings,
+        metrics,
+        fleet,
+        upstream,
+        router,
+        control,
+        health,
+        data,
+        Probes(fleet, upstream, secrets),
+        _load_tokenizer(settings.tokenizer) if settings.tokenizer else None,
+    )
+    rt_holder["rt"] = rt
+    return rt
+
+
+def configure_routing(rt: Runtime) -> None:
+    """Adopt the replicas' block size and hash algorithm unless set explicitly; refuse to
+    route when they disagree (a prefix index keyed on the wrong block size is useless)."""
+    members = rt.fleet.members()
+    size, err_size = _agreed({r.index: r.block_size for r in members}, "block size")
+    algo, err_algo = _agreed({r.index: r.hash_algo for r in members}, "prefix hash algorithm")
+    rt.routing_error = err_size or err_algo
+    s = rt.settings
+    block_size = s.block_size or size or DEFAULT_BLOCK_SIZE
+    if s.block_size and size and s.block_size != size:
+        log.warning("PROXY_BLOCK_SIZE=%d but replicas use %d", s.block_size, size)
+    if block_size != rt.router.block_size or (s.hash_mode == "exact" and not s.vllm_hash_algo):
+        rt.router.hasher = make_hasher(
+            s.hash_mode, block_size, s.vllm_hash_algo or algo or "sha256", s.vllm_hash_seed
+        )
+    if rt.routing_error:
+        log.error(rt.routing_error)
+
+
+def _request_id(request: Request) -> str:
+    rid = request.headers.get("x-request-id", "")
+    # Echoed into logs and upstream headers: accept only short, printable ids.
+    if 0 < len(rid) <= 128 and rid.isprintable() and rid.isascii():
+        return rid
+    return uuid.uuid4().hex
+
+
+def _reply(reply: Reply) -> Response:
+    if reply.media_type == "text/plain":
+        return PlainTextResponse(str(reply.body), reply.status)
+    return JSONResponse(reply.body, reply.status)
+
+
+def _parse_json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+
+
+def create_app(
+    settings: Settings,
+    transport: httpx.AsyncBaseTransport | None = None,
+    *,
+    background: bool = True,
+) -> FastAPI:
+    rt = build_runtime(settings, transport)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await rt.health.start_up()
+        configure_routing(rt)
+        if background:
+            rt.health.start()
+        try:
+            yield
+        finally:
+            await rt.health.stop()
+            await rt.upstream.aclose()
+
+    app = FastAPI(title="rollout-proxy", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.rt = rt
+
+    @app.exception_handler(ProxyError)
+    async def proxy_error(request: Request, exc: ProxyError) -> JSONResponse:
+        rt.metrics.requests.labels(_route_of(request), "none", status_label(exc.status_code)).inc()
+        return JSONResponse(exc.to_body(), exc.status_code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err = ProxyError(str(exc.detail), status_code=exc.status_code)
+        err.error_type = "NotFoundError" if exc.status_code == 404 else "BadRequestError"
+        return JSONResponse(err.to_body(), exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(ProxyError("internal proxy error").to_body(), 500)
+
+    # -- data plane -------------------------------------------------------------------------
+
+    async def _routed(request: Request, route: str, path: str, chat: bool) -> Response:
+        started = time.perf_counter()
+        raw = await request.body()
+        body = _parse_json(raw)
+        key: RoutingKey = (extract_chat if chat else extract_completion)(body, rt.tokenizer)
+        return await rt.data.forward(route, path, raw, key, _request_id(request), started)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _routed(request, "completions", "/v1/completions", chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _routed(request, "chat_completions", "/v1/chat/completions", chat=True)
+
+    # -- probes -----------------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        status, body = await rt.probes.health()
+        return JSONResponse(body, status)
+
+    @app.get("/server_info")
+    async def server_info(request: Request) -> JSONResponse:
+        return JSONResponse(await rt.probes.server_info(request.url.query))
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse(await rt.probes.models())
+
+    @app.get("/is_paused")
+    async def is_paused() -> JSONResponse:
+        return JSONResponse(await rt.probes.is_paused())
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        rt.metrics.index_blocks.set(len(rt.router.index))
+        evicted = rt.router.index.evictions - rt.metrics.index_evictions._value.get()
+        if evicted > 0:
+            rt.metrics.index_evictions.inc(evicted)
+        return Response(generate_latest(rt.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    # -- control plane ----------------------------------------------------------------------
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> Response:
+        return _reply(await rt.control.load_adapter(await request.body()))
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> Response:
+        return _reply(await rt.control.unload_adapter(await request.body()))
+
+    @app.post("/pause")
+    async def pause(request: Request) -> Response:
+        return _reply(await rt.control.pause(request.url.query))
+
+    @app.post("/resume")
+    async def resume() -> Response:
+        return _reply(await rt.control.resume())
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request) -> Response:
+        return _reply(await rt.control.reset_prefix_cache(request.url.query))
+
+    # -- merged-weight (NCCL) sync: only meaningful with exactly one replica -------------------
+
+    async def _single_replica(request: Request) -> Response:
+        members = rt.fleet.members()
+        if len(members) != 1:
+            raise NotSupported(
+                f"{request.url.path} is part of TRL's merged-weight (NCCL) sync, which cannot "
+                f"reach {len(members)} replicas through a proxy. Use adapter-only sync: a PEFT "
+                "LoRA without DoRA or modules_to_save, rank <= --max-lora-rank, and vLLM "
+                "started with --enable-lora."
+            )
+        return await _forward_one(request)
+
+    async def _forward_one(request: Request) -> Response:
+        ready = [r for r in rt.fleet.members() if r.status is Status.READY]
+        if not ready:
+            raise UpstreamUnavailable("no replica is ready", status_code=503)
+        replica = min(ready, key=lambda r: r.in_flight)
+        response = await rt.upstream.call(
+            replica.index,
+            replica.url,
+            request.method,
+            request.url.path,
+            content=await request.body(),
+            params=request.url.query or None,
+            headers={"content-type": request.headers.get("content-type", "application/json")},
+        )
+        headers = {"x-proxy-replica": str(replica.index)}
+        if "content-type" in response.headers:
+            headers["content-type"] = response.headers["content-type"]
+        return Response(response.content, response.status_code, headers)
+
+    app.add_api_route("/get_world_size", _single_replica, methods=["GET"])
+    for path in NCCL_ENDPOINTS:
+        app.add_api_route(path, _single_replica, methods=["POST"])
+
+    # -- admin: fleet state and runtime membership --------------------------------------------
+
+    @app.get("/admin/fleet")
+    async def fleet_state() -> JSONResponse:
+        return JSONResponse(fleet_snapshot(rt))
+
+    @app.api_route("/v1/{rest:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    async def forward_other(request: Request, rest: str) -> Response:
+        return await _forward_one(request)
+
+    return app
+
+
+def _route_of(request: Request) -> str:
+    path = request.url.path
+    return {
+        "/v1/completions": "completions",
+        "/v1/chat/completions": "chat_completions",
+        "/v1/models": "models",
+        "/health": "health",
+        "/server_info": "server_info",
+        "/v1/load_lora_adapter": "load_lora_adapter",
+        "/v1/unload_lora_adapter": "unload_lora_adapter",
+        "/pause": "pause",
+        "/resume": "resume",
+        "/reset_prefix_cache": "reset_prefix_cache",
+        "/is_paused": "is_paused",
+        "/metrics": "metrics",
+    }.get(path, "admin" if path.startswith("/admin") else "forward")
+
+
+def fleet_snapshot(rt: Runtime) -> dict[str, Any]:
+    return {
+        "base_model": rt.fleet.base_model,
+        "desired": {"adapters": dict(rt.fleet.desired_adapters), "paused": rt.fleet.desired_paused},
+        "routing": {
+            "policy": rt.settings.policy,
+            "hash_mode": rt.router.hasher.mode,
+            "block_size": rt.router.block_size,
+            "index_blocks": len(rt.router.index),
+            "error": rt.routing_error,
+        },
+        "replicas": [
+            {
+                "index": r.index,
+                "url": r.url,
+                "status": r.status.value,
+                "in_flight": r.in_flight,
+                "adapters": dict(r.adapters),
+                "paused": r.paused,
+                "failures": r.failures,
+                "last_error": r.last_error,
+                "block_size": r.block_size,
+            }
+            for r in rt.fleet.replicas
+        ],
+    }

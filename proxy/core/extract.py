@@ -1,0 +1,222 @@
+"""OpenAI request JSON -> routing key.
+
+What TRL sends is a token-id prompt (``"prompt": [int, ...]``); that is hashed exactly. Text
+prompts and chat messages are approximated unless a tokenizer is configured: the UTF-8 bytes
+of the prompt are cut into 4-byte pseudo-tokens (about one BPE token per 4 bytes of English),
+so a block of ``block_size`` pseudo-tokens covers roughly the same text as a real block. The
+approximation is stable (same text, same hashes, in every process) and prefix-preserving
+(a shared text prefix gives shared leading blocks), which is all routing needs; it cannot
+predict vLLM's own block hashes, and says so via ``RoutingKey.exact_tokens``.
+
+Batched prompts (a list of prompts) are routed on the first prompt: the whole batch goes to
+one replica because vLLM answers a batch as one response, and in practice the prompts of one
+batch share their prefix (TRL sends one prompt per request). ``n > 1`` needs nothing special:
+the n samples share the prompt, so one replica is right for all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from proxy.errors import InvalidRequest
+
+# vLLM never accepts more than this many prompts in one call through the proxy; a bound keeps a
+# hostile body from making us walk millions of list items before the replica rejects it.
+MAX_BATCH_PROMPTS = 4096
+
+
+class Tokenizer(Protocol):
+    """The slice of a Hugging Face tokenizer the router uses (the edge adapts the real one)."""
+
+    def encode_text(self, text: str) -> list[int]: ...
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingKey:
+    """Everything routing needs from one request.
+
+    ``model`` names the namespace (base model or adapter). Exactly one of ``tokens`` and
+    ``text`` is set: real token ids, or the UTF-8 bytes of a text approximation.
+    """
+
+    model: str
+    tokens: Sequence[int] | None
+    text: bytes | None
+    cache_salt: str | None
+    stream: bool
+    num_prompts: int
+
+    @property
+    def exact_tokens(self) -> bool:
+        return self.tokens is not None
+
+    @property
+    def length(self) -> int:
+        """Prompt length in tokens (or pseudo-tokens for text)."""
+        if self.tokens is not None:
+            return len(self.tokens)
+        assert self.text is not None
+        return (len(self.text) + 3) // 4
+
+
+def _model_of(body: Mapping[str, Any]) -> str:
+    model = body.get("model")
+    if model is None:
+        return ""  # vLLM serves its first model; the empty namespace stands for the base model
+    if not isinstance(model, str):
+        raise InvalidRequest("'model' must be a string", param="model")
+    return model
+
+
+def _salt_of(body: Mapping[str, Any]) -> str | None:
+    salt = body.get("cache_salt")
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt:
+        raise InvalidRequest("'cache_salt' must be a non-empty string", param="cache_salt")
+    return salt
+
+
+def _stream_of(body: Mapping[str, Any]) -> bool:
+    stream = body.get("stream", False)
+    if stream is None:
+        return False
+    if not isinstance(stream, bool):
+        raise InvalidRequest("'stream' must be a boolean", param="stream")
+    return stream
+
+
+def _is_token_list(value: Any) -> bool:
+    # bool is an int subclass; JSON true/false in a prompt is a client bug, not token 1/0.
+    return isinstance(value, list) and all(type(t) is int and t >= 0 for t in value)
+
+
+def _check_token_list(value: list[Any]) -> list[int]:
+    if not _is_token_list(value):
+        raise InvalidRequest("'prompt' token ids must be non-negative integers", param="prompt")
+    return value
+
+
+def extract_completion(body: Any, tokenizer: Tokenizer | None = None) -> RoutingKey:
+    """Routing key of a ``/v1/completions`` body. Raises InvalidRequest with a precise message."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    model = _model_of(body)
+    salt = _salt_of(body)
+    stream = _stream_of(body)
+    if "prompt" not in body:
+        raise InvalidRequest("'prompt' is required", param="prompt")
+    prompt = body["prompt"]
+    tokens: list[int] | None = None
+    text: str | None = None
+    count = 1
+    if isinstance(prompt, str):
+        text = prompt
+    elif isinstance(prompt, list):
+        if not prompt:
+            raise InvalidRequest("'prompt' must not be empty", param="prompt")
+        first = prompt[0]
+        if isinstance(first, int) and not isinstance(first, bool):
+            tokens = _check_token_list(prompt)
+        elif isinstance(first, str):
+            if not all(isinstance(p, str) for p in prompt):
+                raise InvalidRequest("a batch of prompts must all be strings", param="prompt")
+            text, count = first, len(prompt)
+        elif isinstance(first, list):
+            for p in prompt:
+                if not isinstance(p, list) or not p:
+                    raise InvalidRequest(
+                        "a batch of token prompts must be non-empty lists of token ids",
+                        param="prompt",
+                    )
+            tokens, count = _check_token_list(first), len(prompt)
+            for p in prompt[1:]:
+                _check_token_list(p)
+        else:
+            raise InvalidRequest(
+                "'prompt' must be a string, a list of strings, a list of token ids, "
+                "or a list of lists of token ids",
+                param="prompt",
+            )
+    else:
+        raise InvalidRequest(
+            "'prompt' must be a string, a list of strings, a list of token ids, "
+            "or a list of lists of token ids",
+            param="prompt",
+        )
+    if count > MAX_BATCH_PROMPTS:
+        raise InvalidRequest(
+            f"at most {MAX_BATCH_PROMPTS} prompts per request, got {count}", param="prompt"
+        )
+    if text is not None and tokenizer is not None:
+        tokens, text = tokenizer.encode_text(text), None
+    return RoutingKey(
+        model=model,
+        tokens=tokens,
+        text=text.encode("utf-8", "surrogatepass") if text is not None else None,
+        cache_salt=salt,
+        stream=stream,
+        num_prompts=count,
+    )
+
+
+def _content_text(content: Any, index: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts: list[str] = []
+        for part in content:
+            if not isinstance(part, dict):
+                raise InvalidRequest(
+                    f"messages[{index}].content parts must be objects", param="messages"
+                )
+            kind = part.get("type")
+            if kind == "text":
+                parts.append(str(part.get("text", "")))
+            else:
+                # Images/audio: their identity (URL or data) is what distinguishes prefixes.
+                parts.append(f"<{kind}:{part.get(str(kind), '')!s}>")
+        return "".join(parts)
+    raise InvalidRequest(
+        f"messages[{index}].content must be a string, a list of parts, or null",
+        param="messages",
+    )
+
+
+def render_chat(messages: list[dict[str, Any]]) -> str:
+    """Stable text rendering of a conversation for the approximate mode.
+
+    Separators are ASCII control characters that do not occur in normal text, so two
+    different conversations cannot render to the same string by moving text across a
+    role boundary.
+    """
+    return "".join(
+        f"\x1e{m['role']}\x1f{_content_text(m.get('content'), i)}" for i, m in enumerate(messages)
+    )
+
+
+def extract_chat(body: Any, tokenizer: Tokenizer | None = None) -> RoutingKey:
+    """Routing key of a ``/v1/chat/completions`` body."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    model = _model_of(body)
+    salt = _salt_of(body)
+    stream = _stream_of(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest("'messages' must be a non-empty list", param="messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise InvalidRequest(
+                f"messages[{i}] must be an object with a string 'role'", param="messages"
+            )
+    rendered = render_chat(messages)  # validates every content, even with a tokenizer
+    if tokenizer is not None:
+        return RoutingKey(model, tokenizer.encode_chat(messages), None, salt, stream, 1)
+    return RoutingKey(model, None, rendered.encode("utf-8", "surrogatepass"), salt, stream, 1)

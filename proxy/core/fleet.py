@@ -1,0 +1,229 @@
+"""Fleet state: what each replica has and may do, and what the fleet should look like.
+
+Pure bookkeeping, no I/O. The async edge (health probes, control plane, data plane) reports what
+it observed; this module decides what follows (eligible for traffic? needs reconciling? what
+to load/unload?). Keeping the decisions here makes them table-testable.
+
+Replica lifecycle::
+
+    PENDING --probe ok--> RECONCILING --plan applied--> READY --probe/connect fails--> EJECTED
+       ^                                                 |  ^                            |
+       |                                                 |  +--------(reconciled)--------+
+       |                                      drain -> DRAINING (in-flight finish; no new work)
+    (added)                                   remove -> REMOVED (slot kept: indexes are stable)
+
+Only READY replicas take new requests, and only for a model they have confirmed loaded. A replica
+that comes back (or is added) is reconciled to the desired state before it is READY again, so
+a replica that restarted empty never serves a request for an adapter it lost.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+POLICY_ADAPTER = re.compile(r"^trl-policy-v(\d+)$")
+
+
+class Status(enum.Enum):
+    PENDING = "pending"  # never probed successfully
+    RECONCILING = "reconciling"
+    READY = "ready"
+    EJECTED = "ejected"
+    DRAINING = "draining"
+    REMOVED = "removed"
+
+
+# Replicas that keep receiving control-plane broadcasts: a draining replica still finishes
+# requests and must keep the adapters those requests use.
+BROADCAST_TARGETS = frozenset({Status.READY, Status.DRAINING})
+
+
+@dataclass
+class Replica:
+    index: int
+    url: str
+    status: Status = Status.PENDING
+    in_flight: int = 0
+    adapters: dict[str, str] = field(default_factory=dict)  # confirmed loaded: name -> path
+    paused: bool = False
+    base_model: str | None = None
+    max_model_len: int | None = None
+    queue_depth: float = 0.0  # vllm:num_requests_waiting when scraped
+    block_size: int | None = None  # from vllm:cache_config_info / server_info
+    hash_algo: str | None = None  # --prefix-caching-hash-algo, same sources
+    failures: int = 0  # consecutive failed probes/connects
+    last_error: str | None = None
+    needs_reconcile: bool = False
+
+    @property
+    def in_service(self) -> bool:
+        return self.status in BROADCAST_TARGETS
+
+
+@dataclass(frozen=True)
+class ReconcilePlan:
+    """What to send a replica so it matches the desired state."""
+
+    load: dict[str, str]  # name -> path
+    unload: list[str]
+    pause: bool | None  # True: pause it, False: resume it, None: leave as is
+    pause_query: str = ""
+
+    @property
+    def empty(self) -> bool:
+        return not self.load and not self.unload and self.pause is None
+
+
+def adapter_version(name: str) -> int | None:
+    """N of ``trl-policy-vN`` (the name TRL gives each published adapter), else None."""
+    m = POLICY_ADAPTER.match(name)
+    return int(m.group(1)) if m else None
+
+
+class Fleet:
+    def __init__(self, urls: Iterable[str], eject_after: int = 1) -> None:
+        self.replicas: list[Replica] = [Replica(i, u) for i, u in enumerate(urls)]
+        if not self.replicas:
+            raise ValueError("a fleet needs at least one replica")
+        self.eject_after = eject_after
+        self.desired_adapters: dict[str, str] = {}
+        self.desired_paused = False
+        self.pause_query = ""  # query string of the last pause, re-applied on reconcile
+        self.base_model: str | None = None
+
+    # -- membership -------------------------------------------------------------------------
+
+    def add(self, url: str) -> Replica:
+        replica = Replica(len(self.replicas), url)
+        self.replicas.append(replica)
+        return replica
+
+    def get(self, index: int) -> Replica:
+        if not 0 <= index < len(self.replicas) or self.replicas[index].status is Status.REMOVED:
+            raise KeyError(index)
+        return self.replicas[index]
+
+    def members(self) -> list[Replica]:
+        return [r for r in self.replicas if r.status is not Status.REMOVED]
+
+    def broadcast_targets(self) -> list[Replica]:
+        return [r for r in self.replicas if r.in_service]
+
+    # -- data plane -------------------------------------------------------------------------
+
+    def is_base_model(self, model: str) -> bool:
+        return model == "" or self.base_model is None or model == self.base_model
+
+    def eligible(self, model: str) -> list[Replica]:
+        """READY replicas that have confirmed ``model`` (any READY one for the base model)."""
+        ready = [r for r in self.replicas if r.status is Status.READY]
+        if self.is_base_model(model):
+            return ready
+        return [r for r in ready if model in r.adapters]
+
+    def known_anywhere(self, model: str) -> bool:
+        return any(model in r.adapters for r in self.replicas) or model in self.desired_adapters
+
+    def lora_path(self, model: str) -> str | None:
+        if self.is_base_model(model):
+            return None
+        return self.desired_adapters.get(model)
+
+    # -- observations -----------------------------------------------------------------------
+
+    def record_failure(self, index: int, error: str) -> bool:
+        """A probe or connection failed. Returns True if this ejected the replica."""
+        replica = self.replicas[index]
+        replica.failures += 1
+        replica.last_error = error
+        if replica.status in (Status.READY, Status.RECONCILING, Status.PENDING) and (
+            replica.failures >= self.eject_after
+        ):
+            was_serving = replica.status is Status.READY
+            replica.status = Status.EJECTED
+            replica.needs_reconcile = True
+            return was_serving
+        return False
+
+    def record_models(
+        self,
+        index: int,
+        base_model: str | None,
+        max_model_len: int | None,
+        adapters: Mapping[str, str],
+    ) -> None:
+        """What a replica's /v1/models said. If a READY replica lost an adapter it should
+        have (it restarted between probes), it leaves service until reconciled."""
+        replica = self.replicas[index]
+        replica.failures = 0
+        replica.last_error = None
+        replica.base_model = base_model
+        replica.max_model_len = max_model_len
+        replica.adapters = dict(adapters)
+        if self.base_model is None and base_model is not None:
+            self.base_model = base_model
+        if replica.status is Status.READY and not self.plan(replica).empty:
+            replica.status = Status.RECONCILING
+            replica.needs_reconcile = True
+        if replica.status in (Status.PENDING, Status.EJECTED):
+            replica.status = Status.RECONCILING
+            replica.needs_reconcile = True
+
+    def plan(self, replica: Replica) -> ReconcilePlan:
+        load = {
+            name: path
+            for name, path in self.desired_adapters.items()
+            if replica.adapters.get(name) != path
+        }
+        unload = [
+            name for name in replica.adapters if name not in self.desired_adapters or name in load
+        ]
+        pause: bool | None = None
+        if replica.paused != self.desired_paused:
+            pause = self.desired_paused
+        return ReconcilePlan(load, unload, pause, self.pause_query)
+
+    def mark_reconciled(self, index: int) -> None:
+        replica = self.replicas[index]
+        replica.needs_reconcile = False
+        if replica.status is Status.RECONCILING:
+            replica.status = Status.READY
+
+    # -- desired state ----------------------------------------------------------------------
+
+    def adopt(
+        self, observed: Mapping[int, Mapping[str, str]], paused: Mapping[int, bool]
+    ) -> list[str]:
+        """Rebuild the desired state from what replicas hold (proxy restart). Every adapter
+        found on any replica becomes desired (TRL published it; a replica without it lost it),
+        unless two replicas hold the same name at different paths: then the path on most
+        replicas wins, and the conflict is returned for reporting."""
+        conflicts: list[str] = []
+        votes: dict[str, dict[str, int]] = {}
+        for adapters in observed.values():
+            for name, path in adapters.items():
+                votes.setdefault(name, {}).setdefault(path, 0)
+                votes[name][path] += 1
+        for name, paths in votes.items():
+            if len(paths) > 1:
+                conflicts.append(name)
+            self.desired_adapters[name] = max(paths.items(), key=lambda kv: kv[1])[0]
+        self.desired_paused = any(paused.values())
+        return conflicts
+
+    def published(self, name: str, path: str, loaded_on: Iterable[int]) -> None:
+        self.desired_adapters[name] = path
+        for i in loaded_on:
+            self.replicas[i].adapters[name] = path
+
+    def unpublished(self, name: str, unloaded_on: Iterable[int]) -> None:
+        self.desired_adapters.pop(name, None)
+        for i in unloaded_on:
+            self.replicas[i].adapters.pop(name, None)
+
+    def latest_version(self, replica: Replica) -> int:
+        versions = [v for v in map(adapter_version, replica.adapters) if v is not None]
+        return max(versions, default=0)

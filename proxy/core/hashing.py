@@ -1,0 +1,198 @@
+"""Chained block hashes: the key that says "this replica has seen this prefix".
+
+Block i's hash covers tokens [0, (i+1)*block_size) through chaining: h_i = H(h_{i-1}, block_i).
+A hit on block i therefore implies blocks 0..i match too, so one dict lookup per block finds the
+longest shared prefix. Only full blocks are hashed, exactly as vLLM's prefix cache does.
+
+Two implementations behind one interface:
+
+* ``FastHasher`` (default): xxh3-64 over the little-endian uint32 bytes of each block, the chain
+  carried in xxh3's 64-bit seed, the chain's root seeded with the namespace (adapter name, cache
+  salt, purge epoch). About 25x faster than the exact mode; its values mean nothing to vLLM.
+* ``VllmHasher``: reproduces vLLM 0.33.0's ``get_request_block_hasher`` bit for bit (tested on every
+  case of shared/vectors/vllm_block_hashes.json). Needed to compare the proxy's predictions with
+  the KV-cache events vLLM publishes. Keys are the low 64 bits (big-endian) of vLLM's digest,
+  which is exactly what those events carry.
+
+Both return plain ``int`` keys so the prefix index does not care which one produced them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import cbor2
+import xxhash
+
+HASH_MODES = ("fast", "exact")
+VLLM_HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+
+# vLLM 0.33.0 seeds the chain with H(PYTHONHASHSEED) and, when that is unset, with this string
+# for its reproducible algorithms (shared/REFERENCE.md §3; confirmed by the shared vectors).
+VLLM_DEFAULT_SEED = "vllm-none-hash"
+
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """What separates caches: the model or adapter, the adapter's path (vLLM keys LoRA blocks by
+    name *and* path), the request's cache salt, and the proxy's purge epoch for this name."""
+
+    model: str
+    lora_path: str | None = None
+    cache_salt: str | None = None
+    epoch: int = 0
+
+
+class BlockHasher(Protocol):
+    mode: str
+    block_size: int
+
+    def hash_tokens(self, tokens: Sequence[int], namespace: Namespace) -> list[int]: ...
+
+    def hash_text(self, text: bytes, namespace: Namespace) -> list[int]: ...
+
+
+def _token_bytes(tokens: Sequence[int]) -> tuple[bytes, int]:
+    """Packed token ids and the width of one id in bytes."""
+    try:
+        packed = array("I", tokens)
+    except OverflowError:  # a vocabulary beyond 2**32 ids: never seen, but never wrong either
+        packed = array("Q", tokens)
+    return packed.tobytes(), packed.itemsize
+
+
+def _chain(data: bytes, step: int, seed: int) -> list[int]:
+    digest = xxhash.xxh3_64_intdigest
+    view = memoryview(data)
+    out: list[int] = []
+    h = seed
+    for start in range(0, len(data) - step + 1, step):
+        h = digest(view[start : start + step], h)
+        out.append(h)
+    return out
+
+
+def _namespace_seed(namespace: Namespace) -> int:
+    # NUL separators: a model name cannot contain one, so fields cannot run into each other.
+    material = f"{namespace.model}\0{namespace.cache_salt or ''}\0{namespace.epoch}"
+    return int(xxhash.xxh3_64_intdigest(material.encode("utf-8", "surrogatepass")))
+
+
+class FastHasher:
+    """xxh3-64 chained block hashes for routing (the default)."""
+
+    mode = "fast"
+
+    def __init__(self, block_size: int) -> None:
+        if block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        self.block_size = block_size
+
+    def hash_tokens(self, tokens: Sequence[int], namespace: Namespace) -> list[int]:
+        data, width = _token_bytes(tokens)
+        return _chain(data, width * self.block_size, _namespace_seed(namespace))
+
+    def hash_text(self, text: bytes, namespace: Namespace) -> list[int]:
+        # 4 bytes per pseudo-token: see proxy/core/extract.py for why.
+        return _chain(text, 4 * self.block_size, _namespace_seed(namespace) ^ 0x7E57)
+
+
+def _sha256_pickle(obj: Any) -> bytes:
+    return hashlib.sha256(pickle.dumps(obj, protocol=5)).digest()
+
+
+def _sha256_cbor(obj: Any) -> bytes:
+    return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
+
+
+def _xxh_pickle(obj: Any) -> bytes:
+    return bytes(xxhash.xxh3_128_digest(pickle.dumps(obj, protocol=5)))
+
+
+def _xxh_cbor(obj: Any) -> bytes:
+    return bytes(xxhash.xxh3_128_digest(cbor2.dumps(obj, canonical=True)))
+
+
+_VLLM_FUNCTIONS: dict[str, Callable[[Any], bytes]] = {
+    "sha256": _sha256_pickle,
+    "sha256_cbor": _sha256_cbor,
+    "xxhash": _xxh_pickle,
+    "xxhash_cbor": _xxh_cbor,
+}
+
+
+def event_hash(digest: bytes) -> int:
+    """The int vLLM's KV-cache events report for a block: low 64 bits, big-endian."""
+    return int.from_bytes(digest, "big") & _MASK64
+
+
+class VllmHasher:
+    """vLLM 0.33.0's prefix-cache block hashes, exactly.
+
+    ``seed`` is the replicas' ``PYTHONHASHSEED`` (None: vLLM's documented default string).
+    The chain input is ``(parent_digest, tuple(block_tokens), extra)`` where extra is
+    ``(("lora", name, path),)`` on every block of an adapter request, ``("cache_salt", salt)``
+    appended on block 0 only, and None when neither applies.
+    """
+
+    mode = "exact"
+
+    def __init__(self, block_size: int, algo: str = "sha256", seed: str | None = None) -> None:
+        if block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if algo not in _VLLM_FUNCTIONS:
+            raise ValueError(f"unknown vLLM hash algorithm {algo!r}; one of {VLLM_HASH_ALGOS}")
+        self.block_size = block_size
+        self.algo = algo
+        self._fn = _VLLM_FUNCTIONS[algo]
+        self._root = self._fn(seed if seed is not None else VLLM_DEFAULT_SEED)
+        self._text = FastHasher(block_size)
+
+    def digests(self, tokens: Sequence[int], namespace: Namespace) -> list[bytes]:
+        """Full vLLM digests (what ``request.block_hashes`` holds inside vLLM)."""
+        lora: tuple[Any, ...] | None = None
+        if namespace.lora_path is not None:
+            lora = (("lora", namespace.model, namespace.lora_path),)
+        first_extra: tuple[Any, ...] | None = lora
+        if namespace.cache_salt:
+            first_extra = (*(lora or ()), ("cache_salt", namespace.cache_salt))
+        fn, bs = self._fn, self.block_size
+        parent = self._root
+        out: list[bytes] = []
+        for i in range(len(tokens) // bs):
+            extra = first_extra if i == 0 else lora
+            parent = fn((parent, tuple(tokens[i * bs : (i + 1) * bs]), extra))
+            out.append(parent)
+        return out
+
+    def hash_tokens(self, tokens: Sequence[int], namespace: Namespace) -> list[int]:
+        keys = [event_hash(d) for d in self.digests(tokens, namespace)]
+        if namespace.epoch:
+            # A purge must make old entries unreachable without changing what vLLM would
+            # compute, so the epoch is mixed into the index key, not into the digest.
+            mix = xxhash.xxh3_64_intdigest(namespace.epoch.to_bytes(8, "little"))
+            keys = [k ^ mix for k in keys]
+        return keys
+
+    def hash_text(self, text: bytes, namespace: Namespace) -> list[int]:
+        # vLLM hashes token ids; without a tokenizer no exact prediction exists, so text
+        # requests route on the same approximation as the fast mode.
+        return self._text.hash_text(text, namespace)
+
+
+def make_hasher(
+    mode: str, block_size: int, algo: str = "sha256", seed: str | None = None
+) -> BlockHasher:
+    """Hasher by name (settings say ``fast`` or ``exact``)."""
+    if mode == "fast":
+        return FastHasher(block_size)
+    if mode == "exact":
+        return VllmHasher(block_size, algo, seed)
+    raise ValueError(f"unknown hash mode {mode!r}; one of {HASH_MODES}")

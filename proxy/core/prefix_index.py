@@ -1,0 +1,128 @@
+"""Bounded map: block hash -> which replicas served it, and whether the prefix branches there.
+
+Memory is the constraint (a router that tracked every block it ever saw is how peers OOM'd in
+production), so each entry is one dict slot whose value is a single packed ``int``:
+
+    bit 0       has_child      a longer prefix through this block has been seen
+    bit 1       branching      two different next blocks have been seen
+    bits 2..17  child_fp       16-bit fingerprint of the first next block seen
+    next W      holders        bitmask of replicas that were sent this block
+    next W      child_holders  bitmask of replicas that were sent any next block
+
+(W = ``max_replicas``). A 16-bit fingerprint means a second child is missed as "branching" with
+probability 1/65536, which costs nothing worse than one prefix treated as specific.
+
+Eviction is approximately LRU with two generations: entries live in ``young`` until it holds
+``capacity // 2`` entries, then ``young`` becomes ``old`` and the previous ``old`` is dropped
+whole. A lookup that hits ``old`` promotes the entry back into ``young``. Every operation is O(1)
+and there is no per-entry linked list (an ``OrderedDict`` costs ~50 more bytes per entry), so an
+entry is just its dict slot plus two ints. The index holds between capacity/2 and capacity
+entries once warm; what it forgets first is what was touched least recently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+HAS_CHILD = 1
+BRANCHING = 2
+_FP_SHIFT = 2
+_FP_MASK = 0xFFFF
+_HOLDERS_SHIFT = 18
+
+# 32 replicas behind one proxy process is far beyond the recipe's 2 and keeps each packed value
+# within three 30-bit int digits (36 bytes); raise it with PROXY_MAX_REPLICAS for bigger fleets.
+DEFAULT_MAX_REPLICAS = 32
+
+
+class PrefixIndex:
+    def __init__(self, capacity: int, max_replicas: int = DEFAULT_MAX_REPLICAS) -> None:
+        if capacity < 2:
+            raise ValueError("index capacity must be >= 2 blocks")
+        if max_replicas < 1:
+            raise ValueError("max_replicas must be >= 1")
+        self.capacity = capacity
+        self.max_replicas = max_replicas
+        self._half = capacity // 2
+        self._young: dict[int, int] = {}
+        self._old: dict[int, int] = {}
+        self._replica_mask = (1 << max_replicas) - 1
+        self._children_shift = _HOLDERS_SHIFT + max_replicas
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._young) + len(self._old)
+
+    # -- decoding ---------------------------------------------------------------------------
+
+    def holders(self, value: int) -> int:
+        return (value >> _HOLDERS_SHIFT) & self._replica_mask
+
+    def child_holders(self, value: int) -> int:
+        return (value >> self._children_shift) & self._replica_mask
+
+    # -- operations -------------------------------------------------------------------------
+
+    def _get(self, key: int) -> int | None:
+        value = self._young.get(key)
+        if value is not None:
+            return value
+        value = self._old.pop(key, None)
+        if value is not None:
+            self._put(key, value)  # promote: it was just used
+        return value
+
+    def _put(self, key: int, value: int) -> None:
+        young = self._young
+        if key not in young and len(young) >= self._half:
+            self.evictions += len(self._old)
+            self._old = young
+            young = self._young = {}
+        young[key] = value
+
+    def lookup(self, keys: Sequence[int]) -> list[int]:
+        """Packed values of the leading run of ``keys`` that the index knows (stops at the
+        first unknown block: by chaining, nothing after it can match)."""
+        found: list[int] = []
+        for key in keys:
+            value = self._get(key)
+            if value is None:
+                break
+            found.append(value)
+        return found
+
+    def record(self, keys: Sequence[int], replica: int) -> None:
+        """Remember that ``replica`` was sent the prefix ``keys`` (a chain, block 0 first)."""
+        if not 0 <= replica < self.max_replicas:
+            raise ValueError(f"replica index {replica} outside 0..{self.max_replicas - 1}")
+        bit = 1 << replica
+        holder = bit << _HOLDERS_SHIFT
+        child_holder = bit << self._children_shift
+        last = len(keys) - 1
+        for i, key in enumerate(keys):
+            value = self._get(key) or 0
+            value |= holder
+            if i < last:
+                fp = keys[i + 1] & _FP_MASK
+                if not value & HAS_CHILD:
+                    value |= HAS_CHILD | (fp << _FP_SHIFT)
+                elif (value >> _FP_SHIFT) & _FP_MASK != fp:
+                    value |= BRANCHING
+                value |= child_holder
+            self._put(key, value)
+
+    def forget_replica(self, replica: int) -> None:
+        """Drop ``replica`` from every entry (it restarted, its cache was reset, or it left).
+        O(entries); runs on rare fleet events, never per request."""
+        clear = ~(((1 << replica) << _HOLDERS_SHIFT) | ((1 << replica) << self._children_shift))
+        for gen in (self._young, self._old):
+            for key, value in gen.items():
+                gen[key] = value & clear
+
+    def clear(self) -> None:
+        self._young = {}
+        self._old = {}
+
+    def keys(self) -> Iterable[int]:
+        yield from self._young
+        yield from self._old

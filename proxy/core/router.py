@@ -1,0 +1,122 @@
+"""Routing: a request's key -> block hashes -> specific prefix matches -> the policy's pick.
+
+The "common prefix" rule decides which matched blocks count as affinity. A block is common when
+
+1. every eligible replica has already been sent it (no replica is special for it), or
+2. two or more *different* next blocks have followed it *and* those went to two or more
+   different replicas (a chat template or system prompt that many prompts share).
+
+Common is inherited by ancestors: if block i is common, blocks 0..i are a shared preamble too.
+A replica's affinity is the number of blocks it holds *beyond* the deepest common block.
+
+Rule 2 improves on the published proxy's "followed by two or more distinct blocks": there,
+a multi-turn continuation makes the original prompt "common" as soon as two rollouts of the
+same group continue it (their completions differ), so the third continuation loses its
+affinity and re-prefills the whole prompt elsewhere. Continuations of one group all live on
+one replica, so requiring the branches to span replicas keeps their affinity while a template
+shared by prompts on different replicas is still recognised. The cost is a short warm-up: in a
+fresh namespace, prompts that share only the template follow the first replica until the
+imbalance guard spills one elsewhere (at most ``imbalance`` requests), after which the
+template is common.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from proxy.core.extract import RoutingKey
+from proxy.core.hashing import BlockHasher, Namespace
+from proxy.core.policy import Candidate, Decision, Policy
+from proxy.core.prefix_index import BRANCHING, PrefixIndex
+
+# Names whose purge epoch we remember. Only purged names get an entry; a run publishes a few
+# hundred adapter versions, so 4096 is ample, and forgetting the oldest is harmless: its blocks
+# have long aged out of the index.
+MAX_TRACKED_EPOCHS = 4096
+
+
+class Router:
+    def __init__(self, hasher: BlockHasher, index: PrefixIndex, policy: Policy) -> None:
+        self.hasher = hasher
+        self.index = index
+        self.policy = policy
+        self._epochs: OrderedDict[str, int] = OrderedDict()
+        self._next_epoch = 1
+
+    @property
+    def block_size(self) -> int:
+        return self.hasher.block_size
+
+    def namespace(self, key: RoutingKey, lora_path: str | None = None) -> Namespace:
+        return Namespace(key.model, lora_path, key.cache_salt, self._epochs.get(key.model, 0))
+
+    def block_keys(self, key: RoutingKey, lora_path: str | None = None) -> list[int]:
+        ns = self.namespace(key, lora_path)
+        if key.tokens is not None:
+            return self.hasher.hash_tokens(key.tokens, ns)
+        assert key.text is not None
+        return self.hasher.hash_text(key.text, ns)
+
+    def specific_matches(self, blocks: Sequence[int], replicas: Sequence[int]) -> dict[int, int]:
+        """For each replica, how many blocks beyond the common preamble it was already sent."""
+        values = self.index.lookup(blocks)
+        eligible = 0
+        for r in replicas:
+            eligible |= 1 << r
+        holders_of = self.index.holders
+        children_of = self.index.child_holders
+        common = 0
+        reach: dict[int, int] = dict.fromkeys(replicas, 0)
+        alive = eligible
+        for depth, value in enumerate(values, start=1):
+            held = holders_of(value) & eligible
+            if held == eligible or (value & BRANCHING and children_of(value).bit_count() >= 2):
+                common = depth
+            dropped = alive & ~held
+            alive &= held
+            while dropped:
+                low = dropped & -dropped
+                reach[low.bit_length() - 1] = depth - 1
+                dropped ^= low
+        depth = len(values)
+        while alive:
+            low = alive & -alive
+            reach[low.bit_length() - 1] = depth
+            alive ^= low
+        return {r: max(0, d - common) for r, d in reach.items()}
+
+    def route(
+        self,
+        key: RoutingKey,
+        loads: Sequence[tuple[int, float]],
+        lora_path: str | None = None,
+    ) -> Decision:
+        """Pick one of ``loads`` (replica index, current load) for ``key`` and remember that
+        the chosen replica now holds the request's prefix."""
+        if not loads:
+            raise ValueError("no eligible replica")
+        if not self.policy.uses_prefix:
+            return self.policy.choose([Candidate(r, load, 0) for r, load in loads])
+        blocks = self.block_keys(key, lora_path)
+        # vLLM always recomputes the last prompt token, so at most (len-1)//bs blocks can hit.
+        matchable = blocks[: max(0, (key.length - 1) // self.block_size)]
+        matches = self.specific_matches(matchable, [r for r, _ in loads])
+        decision = self.policy.choose([Candidate(r, load, matches[r]) for r, load in loads])
+        self.index.record(blocks, decision.replica)
+        return decision
+
+    def purge_model(self, model: str) -> None:
+        """Make every block of ``model`` unreachable (adapter unloaded): O(1), the stale
+        entries age out of the index."""
+        self._epochs[model] = self._next_epoch
+        self._epochs.move_to_end(model)
+        self._next_epoch += 1
+        while len(self._epochs) > MAX_TRACKED_EPOCHS:
+            self._epochs.popitem(last=False)
+
+    def purge_all(self) -> None:
+        self.index.clear()
+
+    def forget_replica(self, replica: int) -> None:
+        self.index.forget_replica(replica)

@@ -1,0 +1,248 @@
+"""Background probes and reconciliation.
+
+Every ``health_interval_s`` each member replica is probed (``/health``; then, under the control
+lock, ``/v1/models`` and ``/is_paused``). A failing probe counts towards ejection; a replica that
+answers again, or that lost an adapter it should hold (it restarted between probes), is
+reconciled -- missing adapters loaded with the path each was published with, stale ones unloaded,
+pause state re-applied -- and only then is READY for traffic again.
+
+Observations that *shrink* what a replica may serve (ejection, a lost adapter) apply at once.
+Observations that *grow* it (READY again) are taken only under the control-plane lock, so a probe
+can never see a half-done broadcast and undo it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from proxy.control import ControlPlane
+from proxy.core.fleet import Fleet, Replica, Status
+from proxy.errors import ProxyError
+from proxy.metrics import Metrics
+from proxy.settings import Settings
+from proxy.upstream import Upstream
+
+log = logging.getLogger("rollout_proxy.health")
+
+
+def parse_models(payload: Any) -> tuple[str | None, int | None, dict[str, str]]:
+    """(base model, its max_model_len, adapters name -> path) from a vLLM /v1/models answer.
+    Adapters are the entries with a ``parent`` (vLLM sets it to the base model)."""
+    data = payload.get("data") if isinstance(payload, dict) else None
+    if not isinstance(data, list):
+        raise ValueError("/v1/models answer has no 'data' list")
+    base: str | None = None
+    max_len: int | None = None
+    adapters: dict[str, str] = {}
+    for entry in data:
+        if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
+            continue
+        if entry.get("parent"):
+            adapters[entry["id"]] = str(entry.get("root") or "")
+        elif base is None:
+            base = entry["id"]
+            mml = entry.get("max_model_len")
+            max_len = mml if isinstance(mml, int) else None
+    return base, max_len, adapters
+
+
+def parse_vllm_metrics(text: str) -> dict[str, Any]:
+    """The few vLLM gauges/counters the proxy uses (sums over engine labels)."""
+    wanted = {
+        "vllm:num_requests_waiting": "waiting",
+        "vllm:num_requests_running": "running",
+        "vllm:kv_cache_usage_perc": "kv_usage",
+        "vllm:prefix_cache_queries": "prefix_queries",
+        "vllm:prefix_cache_hits": "prefix_hits",
+    }
+    out: dict[str, Any] = {}
+    for family in text_string_to_metric_families(text):
+        key = wanted.get(family.name)
+        for sample in family.samples:
+            if key and sample.name in (family.name, family.name + "_total"):
+                out[key] = out.get(key, 0.0) + sample.value
+            elif family.name == "vllm:cache_config_info" and sample.name.endswith("_info"):
+                if "block_size" in sample.labels:
+                    out["block_size"] = int(float(sample.labels["block_size"]))
+                if "prefix_caching_hash_algo" in sample.labels:
+                    out["hash_algo"] = sample.labels["prefix_caching_hash_algo"]
+    return out
+
+
+class HealthMonitor:
+    def __init__(
+        self,
+        settings: Settings,
+        fleet: Fleet,
+        control: ControlPlane,
+        upstream: Upstream,
+        metrics: Metrics,
+    ) -> None:
+        self.settings = settings
+        self.fleet = fleet
+        self.control = control
+        self.upstream = upstream
+        self.metrics = metrics
+        self._task: asyncio.Task[None] | None = None
+
+    # -- probes -----------------------------------------------------------------------------
+
+    async def _get(self, replica: Replica, path: str) -> Any:
+        response = await self.upstream.call(
+            replica.index, replica.url, "GET", path, timeout=self.upstream.probe_timeout
+        )
+        return response
+
+    async def probe_health(self, replica: Replica) -> str | None:
+        """None when healthy, else why not."""
+        try:
+            response = await self._get(replica, "/health")
+        except ProxyError as exc:
+            return exc.message
+        if response.status_code != 200:
+            return f"/health answered {response.status_code}"
+        return None
+
+    async def observe(self, replica: Replica) -> None:
+        """Refresh a replica's adapters and pause state (caller holds the control lock)."""
+        response = await self._get(replica, "/v1/models")
+        if response.status_code != 200:
+            raise ValueError(f"/v1/models answered {response.status_code}")
+        base, max_len, adapters = parse_models(response.json())
+        paused = False
+        pr = await self._get(replica, "/is_paused")
+        if pr.status_code == 200:
+            paused = bool(pr.json().get("is_paused", False))
+        replica.paused = paused
+        self.fleet.record_models(replica.index, base, max_len, adapters)
+
+    async def scrape(self, replica: Replica) -> None:
+        if not self.settings.scrape_vllm_metrics:
+            return
+        try:
+            response = await self._get(replica, "/metrics")
+            if response.status_code != 200:
+                return
+            values = parse_vllm_metrics(response.text)
+        except (ProxyError, ValueError) as exc:
+            log.debug("metrics scrape of replica %d failed: %s", replica.index, exc)
+            return
+        label = str(replica.index)
+        replica.queue_depth = float(values.get("waiting", 0.0))
+        replica.block_size = values.get("block_size", replica.block_size)
+        replica.hash_algo = values.get("hash_algo", replica.hash_algo)
+        self.metrics.vllm_waiting.labels(label).set(replica.queue_depth)
+        if "kv_usage" in values:
+            self.metrics.vllm_kv_usage.labels(label).set(values["kv_usage"])
+        if "prefix_queries" in values:
+            self.metrics.vllm_prefix_queries.labels(label).set(values["prefix_queries"])
+            self.metrics.vllm_prefix_hits.labels(label).set(values.get("prefix_hits", 0.0))
+
+    # -- one round --------------------------------------------------------------------------
+
+    async def check(self, replica: Replica, *, wait_for_lock: bool = False) -> None:
+        if replica.status is Status.REMOVED:
+            return
+        label = str(replica.index)
+        problem = await self.probe_health(replica)
+        if problem is not None:
+            if self.fleet.record_failure(replica.index, problem):
+                self.metrics.ejections.labels(label).inc()
+                log.warning("replica %d ejected: %s", replica.index, problem)
+            self.metrics.replica_healthy.labels(label).set(0)
+            return
+        await self.scrape(replica)
+        if self.control.lock.locked() and not wait_for_lock:
+            return  # a broadcast is running; look again next round rather than queue behind it
+        async with self.control.lock:
+            await self.reconcile_locked(replica)
+        self.metrics.replica_healthy.labels(label).set(1 if replica.status is Status.READY else 0)
+
+    async def reconcile_locked(self, replica: Replica) -> None:
+        label = str(replica.index)
+        was = replica.status
+        try:
+            await self.observe(replica)
+        except (ProxyError, ValueError) as exc:
+            if self.fleet.record_failure(replica.index, f"observe failed: {exc}"):
+                self.metrics.ejections.labels(label).inc()
+            return
+        if replica.status is not Status.RECONCILING:
+            return
+        outcomes = await self.control.apply_plan(replica)
+        try:
+            await self.observe(replica)
+        except (ProxyError, ValueError) as exc:
+            self.fleet.record_failure(replica.index, f"observe failed: {exc}")
+            self.metrics.reconciliations.labels(label, "failed").inc()
+            return
+        if self.fleet.plan(replica).empty:
+            if was in (Status.EJECTED, Status.PENDING) or any(o.result == "ok" for o in outcomes):
+                # It restarted or lost adapters: whatever the index thinks it cached is gone.
+                self.control.router.forget_replica(replica.index)
+            self.fleet.mark_reconciled(replica.index)
+            self.metrics.reconciliations.labels(label, "ok").inc()
+            log.info("replica %d reconciled (%d actions) and ready", replica.index, len(outcomes))
+        else:
+            self.metrics.reconciliations.labels(label, "failed").inc()
+            log.warning(
+                "replica %d not reconciled yet: %s",
+                replica.index,
+                "; ".join(o.describe() for o in outcomes if o.result != "ok"),
+            )
+        self.control.refresh_adapter_gauges()
+
+    async def run_round(self) -> None:
+        await asyncio.gather(*(self.check(r) for r in self.fleet.members()))
+
+    async def start_up(self) -> list[str]:
+        """First contact: adopt the adapters and pause state replicas already have (a proxy
+        restart mid-training loses nothing), then reconcile everyone to it."""
+        observed: dict[int, dict[str, str]] = {}
+        paused: dict[int, bool] = {}
+
+        async def look(replica: Replica) -> None:
+            if await self.probe_health(replica) is not None:
+                return
+            try:
+                await self.observe(replica)
+            except (ProxyError, ValueError):
+                return
+            observed[replica.index] = dict(replica.adapters)
+            paused[replica.index] = replica.paused
+            await self.scrape(replica)
+
+        async with self.control.lock:
+            await asyncio.gather(*(look(r) for r in self.fleet.members()))
+            conflicts = self.fleet.adopt(observed, paused)
+        for name in conflicts:
+            log.warning(
+                "adapter %s is loaded with different paths on different replicas; "
+                "reconciling to the most common path",
+                name,
+            )
+        await asyncio.gather(*(self.check(r, wait_for_lock=True) for r in self.fleet.members()))
+        return conflicts
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.health_interval_s)
+            try:
+                await self.run_round()
+            except Exception:  # the loop must survive anything a replica does
+                log.exception("health round failed")
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="rollout-proxy-health")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None

@@ -1,0 +1,166 @@
+"""Prometheus collectors on the app's own registry (never the process-global one, so two apps in
+one process -- tests, benchmarks -- never collide).
+
+Label values are bounded by construction: ``replica`` is an index < max_replicas, ``route`` is one
+of the proxy's own route names, ``status`` is an HTTP status class or code from a fixed set,
+``outcome``/``result`` come from fixed tuples. No adapter name or prompt is ever a label value:
+adapter versions are exported as a number (``rollout_proxy_adapter_latest_version``).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Buckets: proxy-side work is tens of microseconds to a few milliseconds; upstream calls are
+# milliseconds (probes) to minutes (3,000-token rollouts); adapter publishes are ~0.1 s (local
+# disk) to minutes (a lagging bucket mount; the published recipe's p50 was 8.5 s).
+PROXY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 0.01, 0.05, 0.25)
+UPSTREAM_BUCKETS = (0.005, 0.025, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
+PUBLISH_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
+MATCH_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+ROUTES = (
+    "completions",
+    "chat_completions",
+    "models",
+    "health",
+    "server_info",
+    "load_lora_adapter",
+    "unload_lora_adapter",
+    "pause",
+    "resume",
+    "reset_prefix_cache",
+    "is_paused",
+    "forward",
+    "admin",
+    "metrics",
+)
+
+
+def status_label(status: int) -> str:
+    """Exact code for the few that matter to TRL users, else the class (bounded set)."""
+    if status in (200, 400, 401, 403, 404, 413, 429, 500, 502, 503, 504):
+        return str(status)
+    return f"{status // 100}xx"
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        p = "rollout_proxy_"
+        self.requests = Counter(
+            p + "requests",
+            "Requests answered, by route, replica and status.",
+            ["route", "replica", "status"],
+            registry=r,
+        )
+        self.proxy_seconds = Histogram(
+            p + "proxy_seconds",
+            "Time spent inside the proxy per request (excl. upstream).",
+            ["route"],
+            buckets=PROXY_BUCKETS,
+            registry=r,
+        )
+        self.upstream_seconds = Histogram(
+            p + "upstream_seconds",
+            "Time waiting on the replica (to full response).",
+            ["route", "replica"],
+            buckets=UPSTREAM_BUCKETS,
+            registry=r,
+        )
+        self.inflight = Gauge(
+            p + "inflight", "Requests in flight per replica.", ["replica"], registry=r
+        )
+        self.decisions = Counter(
+            p + "routing_decisions",
+            "Routing decisions: affinity (specific prefix matched), spilled "
+            "(matched but too busy), unmatched (no specific prefix).",
+            ["outcome"],
+            registry=r,
+        )
+        self.matched_blocks = Histogram(
+            p + "matched_blocks",
+            "Specific prefix blocks matched on the chosen replica.",
+            buckets=MATCH_BUCKETS,
+            registry=r,
+        )
+        self.index_blocks = Gauge(
+            p + "index_blocks", "Prefix blocks tracked by the index.", registry=r
+        )
+        self.index_evictions = Counter(
+            p + "index_evictions", "Prefix blocks evicted from the index.", registry=r
+        )
+        self.broadcasts = Counter(
+            p + "broadcasts",
+            "Control-plane broadcasts by endpoint and per-replica outcome.",
+            ["endpoint", "replica", "outcome"],
+            registry=r,
+        )
+        self.load_attempts = Counter(
+            p + "adapter_load_attempts",
+            "Adapter load calls sent to replicas, by result.",
+            ["replica", "result"],
+            registry=r,
+        )
+        self.mount_lag_retries = Counter(
+            p + "adapter_mount_lag_retries",
+            "Load retries because the replica could not see the "
+            "adapter files yet (404 No adapter found).",
+            ["replica"],
+            registry=r,
+        )
+        self.publish_seconds = Histogram(
+            p + "adapter_publish_seconds",
+            "Load request received to adapter routable on all replicas.",
+            buckets=PUBLISH_BUCKETS,
+            registry=r,
+        )
+        self.adapters_loaded = Gauge(
+            p + "adapters_loaded", "Adapters confirmed loaded.", ["replica"], registry=r
+        )
+        self.adapter_latest = Gauge(
+            p + "adapter_latest_version",
+            "N of the newest trl-policy-vN loaded on the replica.",
+            ["replica"],
+            registry=r,
+        )
+        self.replica_healthy = Gauge(
+            p + "replica_healthy",
+            "1 when the replica takes traffic (READY), else 0.",
+            ["replica"],
+            registry=r,
+        )
+        self.ejections = Counter(
+            p + "replica_ejections", "Replicas ejected from routing.", ["replica"], registry=r
+        )
+        self.reconciliations = Counter(
+            p + "replica_reconciliations",
+            "Reconciliations of a replica with the desired state.",
+            ["replica", "outcome"],
+            registry=r,
+        )
+        self.vllm_waiting = Gauge(
+            p + "replica_vllm_requests_waiting",
+            "vllm:num_requests_waiting scraped from the replica.",
+            ["replica"],
+            registry=r,
+        )
+        self.vllm_kv_usage = Gauge(
+            p + "replica_vllm_kv_cache_usage",
+            "vllm:kv_cache_usage_perc scraped from the replica.",
+            ["replica"],
+            registry=r,
+        )
+        self.vllm_prefix_queries = Gauge(
+            p + "replica_vllm_prefix_cache_queries",
+            "vllm:prefix_cache_queries_total (tokens) scraped.",
+            ["replica"],
+            registry=r,
+        )
+        self.vllm_prefix_hits = Gauge(
+            p + "replica_vllm_prefix_cache_hits",
+            "vllm:prefix_cache_hits_total (tokens) scraped.",
+            ["replica"],
+            registry=r,
+        )

@@ -1,0 +1,69 @@
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from proxy.app import create_app
+from proxy.settings import Settings
+from tests.support.fake_vllm import FakeVllm
+from tests.support.servers import ServerThread
+
+# Tests never read the developer's real token.
+os.environ.pop("HF_TOKEN", None)
+for _k in [k for k in os.environ if k.startswith("PROXY_")]:
+    os.environ.pop(_k)
+
+SHARED = Path(__file__).resolve().parent.parent.parent / "shared"
+
+
+@dataclass
+class Harness:
+    fakes: list[FakeVllm]
+    replicas: list[ServerThread]
+    proxy: ServerThread
+    app: Any
+    client: httpx.Client
+    extra: list[ServerThread] = field(default_factory=list)
+
+    @property
+    def rt(self) -> Any:
+        return self.app.state.rt
+
+    def close(self) -> None:
+        self.client.close()
+        self.proxy.stop()
+        for s in self.replicas + self.extra:
+            if s.thread.is_alive():
+                s.stop()
+
+
+# Probing every 0.1 s makes ejection and recovery observable within a test's patience.
+FAST = {"health_interval_s": 0.1, "probe_timeout_s": 1.0, "lora_retry_s": 0.05, "eject_after": 1}
+
+
+@pytest.fixture
+def make_fleet() -> Iterator[Callable[..., Harness]]:
+    made: list[Harness] = []
+
+    def make(n: int = 2, fakes: list[FakeVllm] | None = None, **settings: Any) -> Harness:
+        fakes = fakes or [FakeVllm(name=f"r{i}") for i in range(n)]
+        servers = [ServerThread(f.app()).start() for f in fakes]
+        opts = {**FAST, **settings}
+        app = create_app(Settings(replicas=[s.url for s in servers], **opts))
+        proxy = ServerThread(app).start()
+        h = Harness(fakes, servers, proxy, app, httpx.Client(base_url=proxy.url, timeout=30))
+        made.append(h)
+        return h
+
+    yield make
+    for h in made:
+        h.close()

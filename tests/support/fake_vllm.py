@@ -1,0 +1,335 @@
+"""A fake vLLM OpenAI server, faithful to how vLLM 0.33 answers the endpoints the proxy uses
+(shared/REFERENCE.md §2), with switches for every fault the proxy must survive.
+
+It is a plain Starlette app: run it in-process over real HTTP (``ServerThread``) or as an ASGI
+transport. Every request it receives is appended to ``calls`` so tests can assert what reached
+which replica, in what order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+
+def _error(message: str, type_: str, status: int, param: str | None = None) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": type_, "param": param, "code": status}}, status
+    )
+
+
+@dataclass
+class FakeVllm:
+    name: str = "replica"
+    base_model: str = "tiny/base"
+    max_model_len: int = 4096
+    block_size: int = 16
+    max_loras: int = 6
+    max_lora_rank: int = 1
+    lora_enabled: bool = True
+    data_parallel_size: int = 1
+    env_secret: str = ""  # put into /server_info's env dump, to test redaction
+    # state
+    adapters: dict[str, str] = field(default_factory=dict)
+    paused: bool = False
+    calls: list[tuple[str, str, Any]] = field(default_factory=list)
+    served: list[dict[str, Any]] = field(default_factory=list)  # completions answered
+    # faults
+    health_status: int = 200
+    invisible_paths: dict[str, int] = field(default_factory=dict)  # path -> 404s left (-1: forever)
+    load_failure: tuple[int, str] | None = None  # (status, message) for every load
+    completion_delay_s: float = 0.0
+    hang: bool = False  # every request hangs (a wedged replica)
+    stream_chunks: int = 4
+    stream_delay_s: float = 0.01
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    _cached_prefixes: set[bytes] = field(default_factory=set)
+    in_flight: int = 0
+    max_seen_in_flight: int = 0
+
+    def reset_state(self) -> None:
+        """A restart: adapters, pause and cache gone."""
+        self.adapters.clear()
+        self.paused = False
+        self._cached_prefixes.clear()
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _record(self, request: Request, body: Any) -> None:
+        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        self.calls.append((request.method, path, body))
+
+    async def _maybe_hang(self) -> None:
+        if self.hang:
+            await asyncio.sleep(3600)
+
+    def control_calls(self) -> list[tuple[str, Any]]:
+        keep = (
+            "/v1/load_lora_adapter",
+            "/v1/unload_lora_adapter",
+            "/pause",
+            "/resume",
+            "/reset_prefix_cache",
+        )
+        return [(p, b) for _, p, b in self.calls if p.split("?")[0] in keep]
+
+    # -- endpoints --------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        await self._maybe_hang()
+        return Response(status_code=self.health_status)
+
+    async def models(self, request: Request) -> Response:
+        await self._maybe_hang()
+        data = [
+            {
+                "id": self.base_model,
+                "object": "model",
+                "owned_by": "vllm",
+                "root": self.base_model,
+                "parent": None,
+                "max_model_len": self.max_model_len,
+            }
+        ]
+        for name, path in self.adapters.items():
+            data.append(
+                {
+                    "id": name,
+                    "object": "model",
+                    "owned_by": "vllm",
+                    "root": path,
+                    "parent": self.base_model,
+                    "max_model_len": None,
+                }
+            )
+        return JSONResponse({"object": "list", "data": data})
+
+    async def server_info(self, request: Request) -> Response:
+        await self._maybe_hang()
+        lora = (
+            {
+                "max_loras": self.max_loras,
+                "max_lora_rank": self.max_lora_rank,
+                "max_cpu_loras": self.max_loras,
+            }
+            if self.lora_enabled
+            else None
+        )
+        return JSONResponse(
+            {
+                "vllm_config": {
+                    "model_config": {"model": self.base_model, "max_model_len": self.max_model_len},
+                    "parallel_config": {
+                        "data_parallel_size": self.data_parallel_size,
+                        "tensor_parallel_size": 1,
+                    },
+                    "lora_config": lora,
+                    "cache_config": {
+                        "block_size": self.block_size,
+                        "prefix_caching_hash_algo": "sha256",
+                    },
+                },
+                "vllm_env": {"HF_TOKEN": self.env_secret, "VLLM_SERVER_DEV_MODE": "1"},
+            }
+        )
+
+    async def load(self, request: Request) -> Response:
+        body = await request.json()
+        self._record(request, body)
+        await self._maybe_hang()
+        name, path = body.get("lora_name"), body.get("lora_path")
+        left = self.invisible_paths.get(path)
+        if left is not None and left != 0:
+            if left > 0:
+                self.invisible_paths[path] = left - 1
+            return _error(f"No adapter found for {path}", "NotFoundError", 404)
+        if self.load_failure is not None:
+            status, message = self.load_failure
+            return _error(
+                message, "BadRequestError" if status == 400 else "InternalServerError", status
+            )
+        if name in self.adapters and not body.get("load_inplace"):
+            return _error(
+                f"The lora adapter '{name}' has already been loaded. If you want to "
+                "load the adapter in place, set 'load_inplace' to True.",
+                "InvalidUserInput",
+                400,
+            )
+        self.adapters[name] = path
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload(self, request: Request) -> Response:
+        body = await request.json()
+        self._record(request, body)
+        await self._maybe_hang()
+        name = body.get("lora_name")
+        if name not in self.adapters:
+            return _error(f"The lora adapter '{name}' cannot be found.", "NotFoundError", 404)
+        del self.adapters[name]
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+
+    async def pause(self, request: Request) -> Response:
+        self._record(request, None)
+        await self._maybe_hang()
+        self.paused = True
+        if request.query_params.get("clear_cache", "true").lower() != "false":
+            self._cached_prefixes.clear()
+        return JSONResponse({"status": "paused"})
+
+    async def resume(self, request: Request) -> Response:
+        self._record(request, None)
+        await self._maybe_hang()
+        self.paused = False
+        return JSONResponse({"status": "resumed"})
+
+    async def is_paused(self, request: Request) -> Response:
+        await self._maybe_hang()
+        return JSONResponse({"is_paused": self.paused})
+
+    async def reset_prefix_cache(self, request: Request) -> Response:
+        self._record(request, None)
+        self._cached_prefixes.clear()
+        return Response(status_code=200)
+
+    async def metrics(self, request: Request) -> Response:
+        text = (
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            f'vllm:num_requests_waiting{{engine="0",model_name="{self.base_model}"}} 0.0\n'
+            "# TYPE vllm:num_requests_running gauge\n"
+            f'vllm:num_requests_running{{engine="0",model_name="{self.base_model}"}} '
+            f"{self.in_flight}.0\n"
+            "# TYPE vllm:prefix_cache_queries counter\n"
+            f'vllm:prefix_cache_queries_total{{engine="0"}} {self.prefix_cache_queries}.0\n'
+            "# TYPE vllm:prefix_cache_hits counter\n"
+            f'vllm:prefix_cache_hits_total{{engine="0"}} {self.prefix_cache_hits}.0\n'
+            "# TYPE vllm:cache_config_info gauge\n"
+            f'vllm:cache_config_info{{block_size="{self.block_size}",'
+            f'prefix_caching_hash_algo="sha256",engine="0"}} 1.0\n'
+        )
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    def _account_cache(self, model: str, tokens: list[int]) -> None:
+        """Token-level prefix-cache counters like vLLM's (full blocks only)."""
+        usable = (len(tokens) - 1) // self.block_size
+        self.prefix_cache_queries += len(tokens)
+        h = hashlib.sha256(model.encode())
+        for i in range(len(tokens) // self.block_size):
+            h.update(json.dumps(tokens[i * self.block_size : (i + 1) * self.block_size]).encode())
+            digest = h.copy().digest()
+            if i < usable and digest in self._cached_prefixes:
+                self.prefix_cache_hits += self.block_size
+            self._cached_prefixes.add(digest)
+
+    async def completions(self, request: Request) -> Response:
+        raw = await request.body()
+        body = json.loads(raw)
+        self._record(request, body)
+        await self._maybe_hang()
+        model = body.get("model") or self.base_model
+        if model != self.base_model and model not in self.adapters:
+            return _error(f"The model `{model}` does not exist.", "NotFoundError", 404, "model")
+        prompt = body.get("prompt")
+        tokens = (
+            prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) else []
+        )
+        self._account_cache(model, tokens)
+        self.in_flight += 1
+        self.max_seen_in_flight = max(self.max_seen_in_flight, self.in_flight)
+        try:
+            while self.paused:  # noqa: ASYNC110 - flipped from the test thread
+                await asyncio.sleep(0.005)
+            if self.completion_delay_s:
+                await asyncio.sleep(self.completion_delay_s)
+        finally:
+            self.in_flight -= 1
+        self.served.append({"model": model, "body": body})
+        rng = random.Random(body.get("seed", 0))
+        n_out = int(body.get("max_tokens") or 8)
+        out = [rng.randrange(1000) for _ in range(n_out)]
+        logprobs = [-rng.random() for _ in out]
+        if body.get("stream"):
+            return StreamingResponse(self._stream(model, out), media_type="text/event-stream")
+        choice = {
+            "index": 0,
+            "text": " ".join(map(str, out)),
+            "finish_reason": "length",
+            "token_ids": out if body.get("return_token_ids") else None,
+            "logprobs": {"token_logprobs": logprobs, "tokens": [str(t) for t in out]}
+            if body.get("logprobs") is not None
+            else None,
+        }
+        return JSONResponse(
+            {
+                "id": "cmpl-fake",
+                "object": "text_completion",
+                "model": model,
+                "choices": [choice],
+                "served_by": self.name,
+                "echo_seed": body.get("seed"),
+                "usage": {"prompt_tokens": len(tokens), "completion_tokens": n_out},
+            }
+        )
+
+    async def _stream(self, model: str, out: list[int]):  # type: ignore[no-untyped-def]
+        per = max(1, len(out) // max(1, self.stream_chunks))
+        for i in range(0, len(out), per):
+            chunk = {
+                "id": "cmpl-fake",
+                "object": "text_completion",
+                "model": model,
+                "choices": [{"index": 0, "text": " ".join(map(str, out[i : i + per]))}],
+            }
+            yield f"data: {json.dumps(chunk)}\n\n".encode()
+            await asyncio.sleep(self.stream_delay_s)
+        yield b"data: [DONE]\n\n"
+
+    async def chat(self, request: Request) -> Response:
+        body = await request.json()
+        self._record(request, body)
+        model = body.get("model") or self.base_model
+        if model != self.base_model and model not in self.adapters:
+            return _error(f"The model `{model}` does not exist.", "NotFoundError", 404, "model")
+        self.served.append({"model": model, "body": body})
+        return JSONResponse(
+            {
+                "id": "chat-fake",
+                "object": "chat.completion",
+                "model": model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}],
+                "served_by": self.name,
+            }
+        )
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await request.json()
+        self._record(request, body)
+        return JSONResponse({"tokens": [1, 2, 3], "served_by": self.name})
+
+    def app(self) -> Starlette:
+        return Starlette(
+            routes=[
+                Route("/health", self.health),
+                Route("/v1/models", self.models),
+                Route("/server_info", self.server_info),
+                Route("/v1/load_lora_adapter", self.load, methods=["POST"]),
+                Route("/v1/unload_lora_adapter", self.unload, methods=["POST"]),
+                Route("/pause", self.pause, methods=["POST"]),
+                Route("/resume", self.resume, methods=["POST"]),
+                Route("/is_paused", self.is_paused),
+                Route("/reset_prefix_cache", self.reset_prefix_cache, methods=["POST"]),
+                Route("/metrics", self.metrics),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                Route("/v1/tokenize", self.tokenize, methods=["POST"]),
+            ]
+        )
