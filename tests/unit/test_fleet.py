@@ -1,0 +1,75 @@
+"""Fleet bookkeeping: eligibility, reconciliation plans, restart adoption."""
+
+from __future__ import annotations
+
+from proxy.core.fleet import Fleet, Status, adapter_version
+
+
+def ready_fleet(n: int = 2) -> Fleet:
+    fleet = Fleet([f"http://r{i}" for i in range(n)])
+    for r in fleet.replicas:
+        fleet.record_models(r.index, "base", 4096, {})
+        fleet.mark_reconciled(r.index)
+    return fleet
+
+
+def test_only_replicas_with_the_adapter_are_eligible() -> None:
+    fleet = ready_fleet(3)
+    fleet.published("trl-policy-v1", "/a/1", [0, 2])
+    assert [r.index for r in fleet.eligible("trl-policy-v1")] == [0, 2]
+    assert [r.index for r in fleet.eligible("base")] == [0, 1, 2]
+    assert [r.index for r in fleet.eligible("")] == [0, 1, 2]
+    assert fleet.eligible("trl-policy-v9") == []
+    assert fleet.known_anywhere("trl-policy-v1") and not fleet.known_anywhere("x")
+
+
+def test_ejected_and_draining_take_no_traffic() -> None:
+    fleet = ready_fleet(3)
+    assert fleet.record_failure(0, "refused") is True
+    fleet.replicas[1].status = Status.DRAINING
+    assert [r.index for r in fleet.eligible("base")] == [2]
+    assert [r.index for r in fleet.broadcast_targets()] == [1, 2]
+
+
+def test_restarted_replica_is_reconciled_before_ready() -> None:
+    fleet = ready_fleet(2)
+    fleet.published("trl-policy-v1", "/a/1", [0, 1])
+    fleet.desired_paused = True
+    fleet.pause_query = "mode=keep"
+    fleet.record_models(1, "base", 4096, {"stale": "/x"})  # came back empty but for junk
+    r = fleet.replicas[1]
+    assert r.status is Status.RECONCILING
+    assert fleet.eligible("trl-policy-v1") == [fleet.replicas[0]]
+    plan = fleet.plan(r)
+    assert plan.load == {"trl-policy-v1": "/a/1"}
+    assert plan.unload == ["stale"]
+    assert plan.pause is True and plan.pause_query == "mode=keep"
+
+
+def test_same_name_other_path_is_reloaded() -> None:
+    fleet = ready_fleet(1)
+    fleet.desired_adapters["a"] = "/new"
+    fleet.replicas[0].adapters["a"] = "/old"
+    plan = fleet.plan(fleet.replicas[0])
+    assert plan.load == {"a": "/new"} and plan.unload == ["a"]
+
+
+def test_adopt_on_proxy_restart() -> None:
+    fleet = Fleet(["http://a", "http://b", "http://c"])
+    conflicts = fleet.adopt(
+        {0: {"v1": "/p1", "v2": "/p2"}, 1: {"v1": "/p1"}, 2: {"v1": "/other", "v2": "/p2"}},
+        {0: False, 1: True, 2: False},
+    )
+    assert fleet.desired_adapters == {"v1": "/p1", "v2": "/p2"}
+    assert conflicts == ["v1"]
+    assert fleet.desired_paused is True
+
+
+def test_membership_and_versions() -> None:
+    fleet = ready_fleet(1)
+    new = fleet.add("http://new")
+    assert new.index == 1 and new.status is Status.PENDING
+    assert adapter_version("trl-policy-v12") == 12 and adapter_version("other") is None
+    fleet.published("trl-policy-v3", "/3", [0])
+    fleet.published("trl-policy-v12", "/12", [0])
+    assert fleet.latest_version(fleet.replicas[0]) == 12

@@ -1,0 +1,143 @@
+"""Router behaviour on GRPO-shaped traffic, with no event loop and no HTTP."""
+
+from __future__ import annotations
+
+import random
+
+from proxy.core.extract import RoutingKey
+from proxy.core.hashing import FastHasher
+from proxy.core.policy import PrefixAffinity
+from proxy.core.prefix_index import PrefixIndex
+from proxy.core.router import Router
+
+TEMPLATE = list(range(1000, 1048))  # a 48-token chat template / system prompt (3 blocks)
+
+
+def make_router(imbalance: float = 8) -> Router:
+    return Router(FastHasher(16), PrefixIndex(100_000), PrefixAffinity(imbalance))
+
+
+def key(tokens: list[int], model: str = "trl-policy-v1") -> RoutingKey:
+    return RoutingKey(model, tokens, None, None, False, 1)
+
+
+def prompt(rng: random.Random, n: int = 120) -> list[int]:
+    return TEMPLATE + [rng.randrange(50_000) for _ in range(n)]
+
+
+class Fleet:
+    """In-flight bookkeeping the way the data plane does it."""
+
+    def __init__(self, n: int) -> None:
+        self.load = [0] * n
+
+    def loads(self) -> list[tuple[int, float]]:
+        return list(enumerate(map(float, self.load)))
+
+
+def test_group_of_eight_lands_on_one_replica() -> None:
+    router, fleet, rng = make_router(), Fleet(2), random.Random(1)
+    for _ in range(10):
+        p = prompt(rng)
+        picks = set()
+        for _ in range(8):
+            d = router.route(key(p), fleet.loads())
+            picks.add(d.replica)
+            fleet.load[d.replica] += 1
+        assert len(picks) == 1
+        fleet.load = [0, 0]
+
+
+def test_different_prompts_spread() -> None:
+    router, fleet, rng = make_router(), Fleet(4), random.Random(2)
+    counts = [0] * 4
+    for _ in range(40):
+        d = router.route(key(prompt(rng)), fleet.loads())
+        counts[d.replica] += 1
+        fleet.load[d.replica] += 1  # all stay in flight
+    assert max(counts) - min(counts) <= 2, counts
+
+
+def test_template_alone_is_not_affinity_once_warm() -> None:
+    router, fleet, rng = make_router(), Fleet(2), random.Random(3)
+    # Warm-up: two prompts on two replicas make the template common (rule 2).
+    for _ in range(12):
+        d = router.route(key(prompt(rng)), fleet.loads())
+        fleet.load[d.replica] += 1
+    outcomes = []
+    for _ in range(20):
+        d = router.route(key(prompt(rng)), fleet.loads())
+        fleet.load[d.replica] += 1
+        outcomes.append(d.outcome)
+    assert set(outcomes) == {"unmatched"}
+
+
+def test_continuation_follows_its_prefix_even_after_branching() -> None:
+    router, fleet, rng = make_router(), Fleet(4), random.Random(4)
+    for _ in range(8):  # warm the template up across replicas
+        d = router.route(key(prompt(rng)), fleet.loads())
+        fleet.load[d.replica] += 1
+    p = prompt(rng)
+    home = router.route(key(p), fleet.loads()).replica
+    homes = set()
+    for turn in range(8):  # 8 rollouts of the group each continue with a tool call
+        completion = [rng.randrange(50_000) for _ in range(40)]
+        d = router.route(key(p + completion + [7, 7, 7]), fleet.loads())
+        homes.add(d.replica)
+        assert d.outcome == "affinity", turn
+    assert homes == {home}
+
+
+def test_new_adapter_version_does_not_match_old_blocks() -> None:
+    router, fleet = make_router(), Fleet(2)
+    p = prompt(random.Random(5))
+    router.route(key(p, "trl-policy-v1"), fleet.loads())
+    d = router.route(key(p, "trl-policy-v2"), fleet.loads())
+    assert d.outcome == "unmatched"
+    assert router.route(key(p, "trl-policy-v2"), fleet.loads()).outcome == "affinity"
+
+
+def test_affinity_yields_to_imbalance() -> None:
+    router, fleet = make_router(imbalance=8), Fleet(2)
+    p = prompt(random.Random(6))
+    outcomes = []
+    for _ in range(30):
+        d = router.route(key(p), fleet.loads())
+        fleet.load[d.replica] += 1
+        outcomes.append(d.outcome)
+    assert outcomes.count("spilled") > 0
+    assert abs(fleet.load[0] - fleet.load[1]) <= 9
+
+
+def test_purge_model_and_purge_all() -> None:
+    router, fleet = make_router(), Fleet(2)
+    p = prompt(random.Random(7))
+    router.route(key(p), fleet.loads())
+    router.purge_model("trl-policy-v1")
+    assert router.route(key(p), fleet.loads()).outcome == "unmatched"
+    router.purge_all()
+    assert router.route(key(p), fleet.loads()).outcome == "unmatched"
+
+
+def test_only_eligible_replicas_are_candidates_and_common_is_relative_to_them() -> None:
+    router = make_router()
+    p = prompt(random.Random(8))
+    router.route(key(p), [(3, 0.0)])
+    d = router.route(key(p), [(1, 0.0), (3, 0.0)])
+    assert d.replica == 3 and d.outcome == "affinity"
+
+
+def test_last_token_is_never_counted_as_a_hit() -> None:
+    router, fleet = make_router(), Fleet(2)
+    exact = list(range(32))  # two full blocks: vLLM can reuse at most (32-1)//16 = 1
+    router.route(key(exact), fleet.loads())
+    matches = router.specific_matches(router.block_keys(key(exact))[:1], [0, 1])
+    assert max(matches.values()) <= 1
+
+
+def test_baseline_policies_skip_hashing() -> None:
+    from proxy.core.policy import RoundRobin
+
+    router = Router(FastHasher(16), PrefixIndex(10), RoundRobin())
+    router.route(key(list(range(64))), [(0, 0.0), (1, 0.0)])
+    assert len(router.index) == 0
