@@ -290,20 +290,22 @@ class ControlPlane:
                 for task in done:
                     outcome = task.result()
                     results[outcome.replica] = outcome
-                    if outcome.result not in ("ok", "already_loaded", "unreachable"):
-                        for other in pending:
-                            other.cancel()
-                        for other in pending:
-                            replica = tasks[other]
-                            results[replica.index] = Outcome(
-                                replica.index,
-                                "cancelled",
-                                detail="another replica failed first",
-                                attempts=0,
-                            )
-                        await asyncio.gather(*pending, return_exceptions=True)
-                        pending = set()
-                        break
+                if pending and any(
+                    results[tasks[t].index].result not in ("ok", "already_loaded", "unreachable")
+                    for t in done
+                ):
+                    for other in pending:
+                        other.cancel()
+                    await asyncio.gather(*pending, return_exceptions=True)
+                    for other in pending:
+                        replica = tasks[other]
+                        results[replica.index] = Outcome(
+                            replica.index,
+                            "cancelled",
+                            detail="another replica failed first",
+                            attempts=0,
+                        )
+                    pending = set()
         finally:
             for task in pending:
                 task.cancel()

@@ -43,6 +43,8 @@ class _RoundRobinTies:
         self._turn = 0
 
     def _pick(self, tied: Sequence[Candidate]) -> Candidate:
+        if len(tied) == 1:
+            return tied[0]  # no choice made: the rotation only advances on real ties
         self._turn += 1
         return tied[self._turn % len(tied)]
 

@@ -5,9 +5,9 @@ production), so each entry is one dict slot whose value is a single packed ``int
 
     bit 0       has_child      a longer prefix through this block has been seen
     bit 1       branching      two different next blocks have been seen
-    bits 2..17  child_fp       16-bit fingerprint of the first next block seen
+    bit 2       request_end    some request's last full block (a multi-turn branch point)
+    bits 3..18  child_fp       16-bit fingerprint of the first next block seen
     next W      holders        bitmask of replicas that were sent this block
-    next W      child_holders  bitmask of replicas that were sent any next block
 
 (W = ``max_replicas``). A 16-bit fingerprint means a second child is missed as "branching" with
 probability 1/65536, which costs nothing worse than one prefix treated as specific.
@@ -26,12 +26,13 @@ from collections.abc import Iterable, Sequence
 
 HAS_CHILD = 1
 BRANCHING = 2
-_FP_SHIFT = 2
+REQUEST_END = 4
+_FP_SHIFT = 3
 _FP_MASK = 0xFFFF
-_HOLDERS_SHIFT = 18
+_HOLDERS_SHIFT = 19
 
 # 32 replicas behind one proxy process is far beyond the recipe's 2 and keeps each packed value
-# within three 30-bit int digits (36 bytes); raise it with PROXY_MAX_REPLICAS for bigger fleets.
+# within two 30-bit int digits (32 bytes); raise it with PROXY_MAX_REPLICAS for bigger fleets.
 DEFAULT_MAX_REPLICAS = 32
 
 
@@ -47,7 +48,6 @@ class PrefixIndex:
         self._young: dict[int, int] = {}
         self._old: dict[int, int] = {}
         self._replica_mask = (1 << max_replicas) - 1
-        self._children_shift = _HOLDERS_SHIFT + max_replicas
         self.evictions = 0
 
     def __len__(self) -> int:
@@ -57,9 +57,6 @@ class PrefixIndex:
 
     def holders(self, value: int) -> int:
         return (value >> _HOLDERS_SHIFT) & self._replica_mask
-
-    def child_holders(self, value: int) -> int:
-        return (value >> self._children_shift) & self._replica_mask
 
     # -- operations -------------------------------------------------------------------------
 
@@ -95,9 +92,7 @@ class PrefixIndex:
         """Remember that ``replica`` was sent the prefix ``keys`` (a chain, block 0 first)."""
         if not 0 <= replica < self.max_replicas:
             raise ValueError(f"replica index {replica} outside 0..{self.max_replicas - 1}")
-        bit = 1 << replica
-        holder = bit << _HOLDERS_SHIFT
-        child_holder = bit << self._children_shift
+        holder = (1 << replica) << _HOLDERS_SHIFT
         last = len(keys) - 1
         for i, key in enumerate(keys):
             value = self._get(key) or 0
@@ -108,13 +103,14 @@ class PrefixIndex:
                     value |= HAS_CHILD | (fp << _FP_SHIFT)
                 elif (value >> _FP_SHIFT) & _FP_MASK != fp:
                     value |= BRANCHING
-                value |= child_holder
+            else:
+                value |= REQUEST_END
             self._put(key, value)
 
     def forget_replica(self, replica: int) -> None:
         """Drop ``replica`` from every entry (it restarted, its cache was reset, or it left).
         O(entries); runs on rare fleet events, never per request."""
-        clear = ~(((1 << replica) << _HOLDERS_SHIFT) | ((1 << replica) << self._children_shift))
+        clear = ~((1 << replica) << _HOLDERS_SHIFT)
         for gen in (self._young, self._old):
             for key, value in gen.items():
                 gen[key] = value & clear

@@ -3,21 +3,19 @@
 The "common prefix" rule decides which matched blocks count as affinity. A block is common when
 
 1. every eligible replica has already been sent it (no replica is special for it), or
-2. two or more *different* next blocks have followed it *and* those went to two or more
-   different replicas (a chat template or system prompt that many prompts share).
+2. two or more *different* next blocks have followed it (a chat template or system prompt
+   that many prompts share) -- unless it is the last full block of an earlier request.
 
 Common is inherited by ancestors: if block i is common, blocks 0..i are a shared preamble too.
 A replica's affinity is the number of blocks it holds *beyond* the deepest common block.
 
-Rule 2 improves on the published proxy's "followed by two or more distinct blocks": there,
-a multi-turn continuation makes the original prompt "common" as soon as two rollouts of the
-same group continue it (their completions differ), so the third continuation loses its
-affinity and re-prefills the whole prompt elsewhere. Continuations of one group all live on
-one replica, so requiring the branches to span replicas keeps their affinity while a template
-shared by prompts on different replicas is still recognised. The cost is a short warm-up: in a
-fresh namespace, prompts that share only the template follow the first replica until the
-imbalance guard spills one elsewhere (at most ``imbalance`` requests), after which the
-template is common.
+The exception in rule 2 improves on the published proxy's rule. A multi-turn rollout sends
+``prompt + completion + tool output`` as its next prompt, so the rollouts of one group branch
+exactly where their previous prompt ended. Under the plain rule the whole original prompt turns
+"common" as soon as two rollouts continue it, and every later continuation loses its affinity
+and re-prefills the prompt on whichever replica is least loaded. A shared template, by contrast,
+is never where a request ends (prompts are longer than their template), so it still becomes
+common after the second distinct prompt. tests/unit/test_router.py shows both cases.
 """
 
 from __future__ import annotations
@@ -28,7 +26,7 @@ from collections.abc import Sequence
 from proxy.core.extract import RoutingKey
 from proxy.core.hashing import BlockHasher, Namespace
 from proxy.core.policy import Candidate, Decision, Policy
-from proxy.core.prefix_index import BRANCHING, PrefixIndex
+from proxy.core.prefix_index import BRANCHING, REQUEST_END, PrefixIndex
 
 # Names whose purge epoch we remember. Only purged names get an entry; a run publishes a few
 # hundred adapter versions, so 4096 is ample, and forgetting the oldest is harmless: its blocks
@@ -65,13 +63,12 @@ class Router:
         for r in replicas:
             eligible |= 1 << r
         holders_of = self.index.holders
-        children_of = self.index.child_holders
         common = 0
         reach: dict[int, int] = dict.fromkeys(replicas, 0)
         alive = eligible
         for depth, value in enumerate(values, start=1):
             held = holders_of(value) & eligible
-            if held == eligible or (value & BRANCHING and children_of(value).bit_count() >= 2):
+            if held == eligible or value & (BRANCHING | REQUEST_END) == BRANCHING:
                 common = depth
             dropped = alive & ~held
             alive &= held

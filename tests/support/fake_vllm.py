@@ -49,6 +49,11 @@ class FakeVllm:
     load_failure: tuple[int, str] | None = None  # (status, message) for every load
     completion_delay_s: float = 0.0
     hang: bool = False  # every request hangs (a wedged replica)
+    hang_completions: bool = False  # only completions hang (a stuck engine, /health fine)
+    pause_status: int = 200
+    seen_headers: list[dict[str, str]] = field(default_factory=list)
+    streams_completed: int = 0
+    streams_closed: int = 0
     stream_chunks: int = 4
     stream_delay_s: float = 0.01
     prefix_cache_queries: int = 0
@@ -181,6 +186,8 @@ class FakeVllm:
     async def pause(self, request: Request) -> Response:
         self._record(request, None)
         await self._maybe_hang()
+        if self.pause_status != 200:
+            return _error("pause failed", "InternalServerError", self.pause_status)
         self.paused = True
         if request.query_params.get("clear_cache", "true").lower() != "false":
             self._cached_prefixes.clear()
@@ -234,7 +241,10 @@ class FakeVllm:
         raw = await request.body()
         body = json.loads(raw)
         self._record(request, body)
+        self.seen_headers.append(dict(request.headers))
         await self._maybe_hang()
+        if self.hang_completions:
+            await asyncio.sleep(3600)
         model = body.get("model") or self.base_model
         if model != self.base_model and model not in self.adapters:
             return _error(f"The model `{model}` does not exist.", "NotFoundError", 404, "model")
@@ -282,16 +292,20 @@ class FakeVllm:
 
     async def _stream(self, model: str, out: list[int]):  # type: ignore[no-untyped-def]
         per = max(1, len(out) // max(1, self.stream_chunks))
-        for i in range(0, len(out), per):
-            chunk = {
-                "id": "cmpl-fake",
-                "object": "text_completion",
-                "model": model,
-                "choices": [{"index": 0, "text": " ".join(map(str, out[i : i + per]))}],
-            }
-            yield f"data: {json.dumps(chunk)}\n\n".encode()
-            await asyncio.sleep(self.stream_delay_s)
-        yield b"data: [DONE]\n\n"
+        try:
+            for i in range(0, len(out), per):
+                chunk = {
+                    "id": "cmpl-fake",
+                    "object": "text_completion",
+                    "model": model,
+                    "choices": [{"index": 0, "text": " ".join(map(str, out[i : i + per]))}],
+                }
+                yield f"data: {json.dumps(chunk)}\n\n".encode()
+                await asyncio.sleep(self.stream_delay_s)
+            yield b"data: [DONE]\n\n"
+            self.streams_completed += 1
+        finally:
+            self.streams_closed += 1
 
     async def chat(self, request: Request) -> Response:
         body = await request.json()

@@ -6,7 +6,7 @@ import tracemalloc
 
 import pytest
 
-from proxy.core.prefix_index import BRANCHING, HAS_CHILD, PrefixIndex
+from proxy.core.prefix_index import BRANCHING, HAS_CHILD, REQUEST_END, PrefixIndex
 
 
 def test_record_and_lookup_leading_run() -> None:
@@ -18,7 +18,7 @@ def test_record_and_lookup_leading_run() -> None:
     assert idx.holders(values[0]) == 0b11
     assert idx.holders(values[2]) == 0b01
     assert values[1] & BRANCHING  # 2 was followed by 3 and by 4
-    assert idx.child_holders(values[1]) == 0b11
+    assert values[2] & REQUEST_END and not values[1] & REQUEST_END
     assert values[0] & HAS_CHILD and not values[0] & BRANCHING
     assert idx.lookup([9, 1]) == []
 
@@ -49,7 +49,6 @@ def test_forget_replica_and_clear() -> None:
     idx.forget_replica(0)
     values = idx.lookup([1, 2])
     assert [idx.holders(v) for v in values] == [0b100, 0b100]
-    assert idx.child_holders(values[0]) == 0b100
     idx.clear()
     assert len(idx) == 0 and idx.lookup([1]) == []
 
