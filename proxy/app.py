@@ -31,6 +31,7 @@ from proxy.core.router import Router
 from proxy.dataplane import DataPlane
 from proxy.errors import InvalidRequest, NotSupported, ProxyError, UpstreamUnavailable
 from proxy.health import HealthMonitor
+from proxy.membership import Membership, describe
 from proxy.metrics import Metrics, status_label
 from proxy.probes import Probes
 from proxy.settings import Settings
@@ -60,6 +61,7 @@ class Runtime:
     health: HealthMonitor
     data: DataPlane
     probes: Probes
+    membership: Membership
     tokenizer: Tokenizer | None
     routing_error: str | None = None
 
@@ -124,6 +126,7 @@ def build_runtime(settings: Settings, transport: httpx.AsyncBaseTransport | None
         health,
         data,
         Probes(fleet, upstream, secrets),
+        Membership(settings, fleet, control, health, metrics),
         _load_tokenizer(settings.tokenizer) if settings.tokenizer else None,
     )
     rt_holder["rt"] = rt
@@ -317,6 +320,25 @@ def create_app(
     async def fleet_state() -> JSONResponse:
         return JSONResponse(fleet_snapshot(rt))
 
+    @app.post("/admin/replicas")
+    async def add_replica(request: Request) -> JSONResponse:
+        body = _parse_json(await request.body())
+        if not isinstance(body, dict):
+            raise InvalidRequest("request body must be a JSON object with 'url'")
+        return JSONResponse(await rt.membership.add(body.get("url")), 201)
+
+    @app.post("/admin/replicas/{index}/drain")
+    async def drain_replica(index: int) -> JSONResponse:
+        return JSONResponse(rt.membership.drain(index))
+
+    @app.post("/admin/replicas/{index}/undrain")
+    async def undrain_replica(index: int) -> JSONResponse:
+        return JSONResponse(rt.membership.undrain(index))
+
+    @app.delete("/admin/replicas/{index}")
+    async def remove_replica(index: int, timeout_s: float = 60.0) -> JSONResponse:
+        return JSONResponse(await rt.membership.remove(index, timeout_s))
+
     @app.api_route("/v1/{rest:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def forward_other(request: Request, rest: str) -> Response:
         return await _forward_one(request)
@@ -353,18 +375,5 @@ def fleet_snapshot(rt: Runtime) -> dict[str, Any]:
             "index_blocks": len(rt.router.index),
             "error": rt.routing_error,
         },
-        "replicas": [
-            {
-                "index": r.index,
-                "url": r.url,
-                "status": r.status.value,
-                "in_flight": r.in_flight,
-                "adapters": dict(r.adapters),
-                "paused": r.paused,
-                "failures": r.failures,
-                "last_error": r.last_error,
-                "block_size": r.block_size,
-            }
-            for r in rt.fleet.replicas
-        ],
+        "replicas": [describe(r) for r in rt.fleet.replicas],
     }

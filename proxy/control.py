@@ -39,6 +39,10 @@ from proxy.upstream import ReplicaUnreachable, Upstream
 
 log = logging.getLogger("rollout_proxy.control")
 
+# Outcomes after which the replica was ejected: it serves nothing until reconciled, so the
+# broadcast can succeed without it.
+EJECTED = ("unreachable", "timeout")
+
 # Upstream error bodies are echoed into our error message so operators see vLLM's reason;
 # capped because a replica could answer with a multi-megabyte HTML page.
 MAX_DETAIL_CHARS = 300
@@ -182,22 +186,53 @@ class ControlPlane:
         ok_statuses: tuple[int, ...] = (200,),
         absent_ok: bool = False,
     ) -> Outcome:
-        try:
-            response = await self.upstream.call(
-                replica.index, replica.url, method, path, params=params, json=json_body
-            )
-        except ReplicaUnreachable as exc:
-            self.eject(replica, exc.message)
-            return Outcome(replica.index, "unreachable", detail=exc.message, attempts=1)
-        except UpstreamTimeout as exc:
-            return Outcome(replica.index, "timeout", detail=exc.message, attempts=1)
-        except UpstreamUnavailable as exc:
-            return Outcome(replica.index, "failed", detail=exc.message, attempts=1)
+        response = await self._send(replica, method, path, params=params, json_body=json_body)
+        if isinstance(response, Outcome):
+            return response
         if response.status_code in ok_statuses:
             return Outcome(replica.index, "ok", response.status_code, attempts=1)
         if absent_ok and response.status_code == 404:
             return Outcome(replica.index, "absent", 404, _detail(response), attempts=1)
         return Outcome(replica.index, "failed", response.status_code, _detail(response), 1)
+
+    async def _send(
+        self,
+        replica: Replica,
+        method: str,
+        path: str,
+        *,
+        params: str | None = None,
+        json_body: Any = None,
+    ) -> httpx.Response | Outcome:
+        """One control call. A replica that cannot be reached, or that does not answer within
+        ``control_timeout_s``, is ejected (it will be reconciled before serving again) and
+        reported as such, so one dead or wedged replica cannot fail a broadcast for the rest."""
+        timeout = httpx.Timeout(
+            self.settings.control_timeout_s, connect=self.settings.connect_timeout_s
+        )
+        if path == "/pause" and "mode=wait" in (params or ""):
+            # mode=wait drains in-flight requests first: as long as the longest generation.
+            timeout = httpx.Timeout(
+                self.settings.upstream_timeout_s, connect=self.settings.connect_timeout_s
+            )
+        try:
+            return await self.upstream.call(
+                replica.index,
+                replica.url,
+                method,
+                path,
+                params=params,
+                json=json_body,
+                timeout=timeout,
+            )
+        except ReplicaUnreachable as exc:
+            self.eject(replica, exc.message)
+            return Outcome(replica.index, "unreachable", detail=exc.message, attempts=1)
+        except UpstreamTimeout as exc:
+            self.eject(replica, exc.message)
+            return Outcome(replica.index, "timeout", detail=exc.message, attempts=1)
+        except UpstreamUnavailable as exc:
+            return Outcome(replica.index, "failed", detail=exc.message, attempts=1)
 
     # -- load -------------------------------------------------------------------------------
 
@@ -206,20 +241,11 @@ class ControlPlane:
         attempts = 0
         while True:
             attempts += 1
-            try:
-                response = await self.upstream.call(
-                    replica.index, replica.url, "POST", "/v1/load_lora_adapter", json=body
-                )
-            except ReplicaUnreachable as exc:
-                self.metrics.load_attempts.labels(label, "unreachable").inc()
-                self.eject(replica, exc.message)
-                return Outcome(replica.index, "unreachable", detail=exc.message, attempts=attempts)
-            except UpstreamTimeout as exc:
-                self.metrics.load_attempts.labels(label, "timeout").inc()
-                return Outcome(replica.index, "timeout", detail=exc.message, attempts=attempts)
-            except UpstreamUnavailable as exc:
-                self.metrics.load_attempts.labels(label, "failed").inc()
-                return Outcome(replica.index, "failed", detail=exc.message, attempts=attempts)
+            response = await self._send(replica, "POST", "/v1/load_lora_adapter", json_body=body)
+            if isinstance(response, Outcome):
+                self.metrics.load_attempts.labels(label, response.result).inc()
+                response.attempts = attempts
+                return response
             if response.status_code == 200:
                 self.metrics.load_attempts.labels(label, "ok").inc()
                 return Outcome(replica.index, "ok", 200, attempts=attempts)
@@ -258,7 +284,7 @@ class ControlPlane:
                 ):
                     o.result = "failed"
                     o.detail = f"name taken by another adapter path: {o.detail}"
-            reachable = [o for o in outcomes if o.result != "unreachable"]
+            reachable = [o for o in outcomes if o.result not in EJECTED]
             good = [o for o in reachable if o.result in ("ok", "already_loaded")]
             if reachable and len(good) == len(reachable):
                 self.fleet.published(name, path, [o.replica for o in good])
@@ -291,7 +317,7 @@ class ControlPlane:
                     outcome = task.result()
                     results[outcome.replica] = outcome
                 if pending and any(
-                    results[tasks[t].index].result not in ("ok", "already_loaded", "unreachable")
+                    results[tasks[t].index].result not in ("ok", "already_loaded", *EJECTED)
                     for t in done
                 ):
                     for other in pending:
@@ -312,9 +338,10 @@ class ControlPlane:
         return [results[r.index] for r in targets]
 
     async def _rollback_load(self, name: str, outcomes: list[Outcome]) -> None:
-        # "cancelled" and "timeout" replicas may or may not have applied the load: unload them
-        # too (vLLM answers 404 if they had not, which is fine).
-        undo = [o for o in outcomes if o.result in ("ok", "cancelled", "timeout")]
+        # A "cancelled" replica may or may not have applied the load: unload it too (vLLM
+        # answers 404 if it had not). Ejected ones are left to reconciliation, which unloads
+        # whatever is not desired before they serve again.
+        undo = [o for o in outcomes if o.result in ("ok", "cancelled")]
         if not undo:
             return
         results = await asyncio.gather(
@@ -407,8 +434,8 @@ class ControlPlane:
         all_absent_status: int | None = None,
         name: str = "",
     ) -> Reply:
-        failed = [o for o in outcomes if o.result not in ("ok", "absent", "unreachable")]
-        if failed or all(o.result == "unreachable" for o in outcomes):
+        failed = [o for o in outcomes if o.result not in ("ok", "absent", *EJECTED)]
+        if failed or all(o.result in EJECTED for o in outcomes):
             summary = "; ".join(o.describe() for o in outcomes)
             raise BroadcastFailed(
                 f"{endpoint} did not apply on every replica (the rest is repaired by "
@@ -444,7 +471,7 @@ class ControlPlane:
             if "clear_cache=false" not in query.lower():
                 self.router.purge_all()  # vLLM resets the prefix cache on pause by default
             paused = [o for o in outcomes if o.result == "ok"]
-            bad = [o for o in outcomes if o.result not in ("ok", "unreachable")]
+            bad = [o for o in outcomes if o.result not in ("ok", *EJECTED)]
             if bad or not paused:
                 undone = await asyncio.gather(
                     *(

@@ -3,11 +3,13 @@
 Retry rule. Completions are a pure function of their body (TRL even sends a ``seed``) and have no
 side effect on the replica, so a completion may be re-sent to another eligible replica when the
 first attempt produced nothing for the client: the connection was refused (nothing sent), the
-connection broke before response headers arrived, or the replica answered 404 for an adapter it
-was believed to hold (it restarted; it is sent for reconciliation). Each replica is tried at most
-once per request. Timeouts are not retried (that would double an already long wait), and nothing
-is retried once a single response byte has been relayed to the client. Control-plane calls are
-never retried here; they have their own semantics (control.py).
+connection broke before response headers arrived, the replica answered 404 for an adapter it
+was believed to hold (it restarted; it is sent for reconciliation), or it answered 500/502/503
+(its engine failed; another may not). Each replica is tried at most once per request, and the
+last replica's answer is relayed when every eligible one failed. Timeouts are not retried (that
+would double an already long wait), and nothing is retried once a single response byte has been
+relayed to the client. Control-plane calls are never retried here; they have their own
+semantics (control.py).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ log = logging.getLogger("rollout_proxy.dataplane")
 # Response headers worth relaying; everything else (hop-by-hop, server, date, content-length
 # which Starlette recomputes) is dropped.
 RELAYED_HEADERS = ("content-type", "x-request-id", "cache-control")
+# Engine failures worth trying on another replica (504 is a timeout: retrying doubles the wait).
+RETRIED_STATUSES = frozenset({500, 502, 503})
 
 
 def _relay_headers(response: httpx.Response, replica: int, request_id: str) -> dict[str, str]:
@@ -141,6 +145,19 @@ class DataPlane:
                     "replica %d lost adapter %s; reconciling it, retrying elsewhere",
                     replica.index,
                     key.model,
+                )
+                continue
+            if response.status_code in RETRIED_STATUSES and any(
+                r.index not in tried for r in self.fleet.eligible(key.model)
+            ):
+                await response.aclose()
+                self._track(replica, -1)
+                self.metrics.requests.labels(route, label, status_label(response.status_code)).inc()
+                log.warning(
+                    "request %s: replica %d answered %d; retrying elsewhere",
+                    request_id,
+                    replica.index,
+                    response.status_code,
                 )
                 continue
             if key.stream:

@@ -19,6 +19,21 @@ from proxy.core.policy import POLICIES
 from proxy.core.prefix_index import DEFAULT_MAX_REPLICAS
 
 
+def normalize_replica_url(url: str) -> str:
+    """A replica base URL, checked: http(s), a host, a valid port, no query or fragment.
+    Raises ValueError naming the problem (used at start-up and by the membership endpoint)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"replica URL {url!r} is malformed: expected http(s)://host[:port]")
+    try:
+        parts.port  # noqa: B018 - raises on a bad port
+    except ValueError as exc:
+        raise ValueError(f"replica URL {url!r} has a bad port") from exc
+    if parts.query or parts.fragment:
+        raise ValueError(f"replica URL {url!r} must not have a query or fragment")
+    return url.rstrip("/")
+
+
 def _split_urls(value: Any) -> Any:
     if isinstance(value, str):
         return [u.strip() for u in value.split(",") if u.strip()]
@@ -118,6 +133,13 @@ class Settings(BaseSettings):
         description="Longest silence from a replica mid-request: 3,000 generated tokens on a "
         "saturated replica took minutes; 15 min is generous without hanging forever.",
     )
+    control_timeout_s: float = Field(
+        120,
+        gt=0,
+        description="Per-replica timeout of a control call (load, unload, pause, resume, "
+        "reset). vLLM applies each in about a second; a replica silent for 2 minutes is "
+        "ejected and reconciled later instead of blocking TRL's weight sync.",
+    )
     eject_after: int = Field(
         2,
         ge=1,
@@ -144,20 +166,7 @@ class Settings(BaseSettings):
     def _check_replicas(cls, value: list[str]) -> list[str]:
         if not value:
             raise ValueError("at least one replica URL is required (PROXY_REPLICAS)")
-        cleaned = []
-        for url in value:
-            parts = urlsplit(url)
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise ValueError(
-                    f"replica URL {url!r} is malformed: expected http(s)://host[:port]"
-                )
-            try:
-                parts.port  # noqa: B018 - raises on a bad port
-            except ValueError as exc:
-                raise ValueError(f"replica URL {url!r} has a bad port") from exc
-            if parts.query or parts.fragment:
-                raise ValueError(f"replica URL {url!r} must not have a query or fragment")
-            cleaned.append(url.rstrip("/"))
+        cleaned = [normalize_replica_url(url) for url in value]
         if len(set(cleaned)) != len(cleaned):
             raise ValueError("replica URLs must be distinct")
         return cleaned
