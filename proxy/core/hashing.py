@@ -8,7 +8,8 @@ Two implementations behind one interface:
 
 * ``FastHasher`` (default): xxh3-64 over the little-endian uint32 bytes of each block, the chain
   carried in xxh3's 64-bit seed, the chain's root seeded with the namespace (adapter name, cache
-  salt, purge epoch). About 25x faster than the exact mode; its values mean nothing to vLLM.
+  salt, purge epoch). 4x (sha256) to 11x (sha256_cbor) faster than the exact mode on a
+  4,096-token prompt (89 vs 390 / 985 us here); its values mean nothing to vLLM.
 * ``VllmHasher``: reproduces vLLM 0.33.0's ``get_request_block_hasher`` bit for bit (tested on every
   case of shared/vectors/vllm_block_hashes.json). Needed to compare the proxy's predictions with
   the KV-cache events vLLM publishes. Keys are the low 64 bits (big-endian) of vLLM's digest,
