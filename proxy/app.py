@@ -236,6 +236,12 @@ def create_app(
         status, body = await rt.probes.health()
         return JSONResponse(body, status)
 
+    @app.get("/livez")
+    async def livez() -> JSONResponse:
+        """The proxy process itself answers (for liveness probes: unlike /health it does not
+        fail when a replica does, so an orchestrator never restarts a healthy proxy)."""
+        return JSONResponse({"status": "alive"})
+
     @app.get("/server_info")
     async def server_info(request: Request) -> JSONResponse:
         return JSONResponse(await rt.probes.server_info(request.url.query))

@@ -31,3 +31,5 @@ def configure_logging(level: str, as_json: bool) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    # httpx logs every request at INFO: a probe round every 2 s per replica would drown the log.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, root.level))

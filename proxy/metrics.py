@@ -9,7 +9,7 @@ adapter versions are exported as a number (``rollout_proxy_adapter_latest_versio
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 # Buckets: proxy-side work is tens of microseconds to a few milliseconds; upstream calls are
 # milliseconds (probes) to minutes (3,000-token rollouts); adapter publishes are ~0.1 s (local
@@ -46,6 +46,9 @@ def status_label(status: int) -> str:
 
 class Metrics:
     def __init__(self) -> None:
+        # The *_created series double the exposition for nothing a dashboard uses. The switch is
+        # process-wide in prometheus-client; every registry in this process is ours anyway.
+        disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         p = "rollout_proxy_"
