@@ -43,7 +43,7 @@ class Harness:
         self.proxy.stop()
         for s in self.replicas + self.extra:
             if s.thread.is_alive():
-                s.stop()
+                s.kill()  # do not wait for requests a test left hanging
 
 
 # Probing every 0.1 s makes ejection and recovery observable within a test's patience.

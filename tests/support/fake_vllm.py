@@ -46,6 +46,7 @@ class FakeVllm:
     # faults
     health_status: int = 200
     invisible_paths: dict[str, int] = field(default_factory=dict)  # path -> 404s left (-1: forever)
+    mount_lag: int = 0  # every path not seen before answers this many 404s first
     load_failure: tuple[int, str] | None = None  # (status, message) for every load
     completion_delay_s: float = 0.0
     hang: bool = False  # every request hangs (a wedged replica)
@@ -61,6 +62,8 @@ class FakeVllm:
     _cached_prefixes: set[bytes] = field(default_factory=set)
     in_flight: int = 0
     max_seen_in_flight: int = 0
+    missing_adapter_hits: int = 0  # completions that named an adapter this replica lacks
+    completion_status: int = 200  # e.g. 500: the engine is broken but HTTP still answers
 
     def reset_state(self) -> None:
         """A restart: adapters, pause and cache gone."""
@@ -153,6 +156,8 @@ class FakeVllm:
         self._record(request, body)
         await self._maybe_hang()
         name, path = body.get("lora_name"), body.get("lora_path")
+        if self.mount_lag and path not in self.invisible_paths:
+            self.invisible_paths[path] = self.mount_lag
         left = self.invisible_paths.get(path)
         if left is not None and left != 0:
             if left > 0:
@@ -247,7 +252,10 @@ class FakeVllm:
             await asyncio.sleep(3600)
         model = body.get("model") or self.base_model
         if model != self.base_model and model not in self.adapters:
+            self.missing_adapter_hits += 1
             return _error(f"The model `{model}` does not exist.", "NotFoundError", 404, "model")
+        if self.completion_status != 200:
+            return _error("engine failed", "InternalServerError", self.completion_status)
         prompt = body.get("prompt")
         tokens = (
             prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) else []

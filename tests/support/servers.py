@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -19,11 +20,19 @@ class ServerThread:
         self.sock.bind(("127.0.0.1", port))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="auto", access_log=False)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(
-            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
+        config = uvicorn.Config(
+            app, log_level="warning", lifespan="auto", access_log=False, timeout_graceful_shutdown=5
         )
+        self.server = uvicorn.Server(config)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        async def serve() -> None:
+            self.loop = asyncio.get_running_loop()
+            await self.server.serve(sockets=[self.sock])
+
+        asyncio.run(serve())
 
     def start(self, timeout: float = 20.0) -> ServerThread:
         self.thread.start()
@@ -39,8 +48,28 @@ class ServerThread:
         self.thread.join(timeout=10)
         self.sock.close()
 
+    def restart(self, app: Any) -> ServerThread:
+        """A new server for ``app`` on the same port (a replica process coming back)."""
+        return ServerThread(app, port=self.port).start()
+
     def kill(self) -> None:
-        """Stop abruptly: in-flight connections are dropped (a crashed replica)."""
+        """Stop abruptly, like a crashed process: every open connection is reset (the kernel
+        does that when a process dies), nothing in flight is answered."""
+        if self.loop is not None and self.loop.is_running():
+
+            def reset_all() -> None:
+                # In one loop callback: stop accepting, then reset every connection, so no
+                # connection can slip in between and be left open (and hang its client).
+                for listener in getattr(self.server, "servers", []):
+                    listener.close()
+                for conn in list(self.server.server_state.connections):
+                    transport = getattr(conn, "transport", None)
+                    if transport is not None:
+                        transport.abort()
+
+            done = threading.Event()
+            self.loop.call_soon_threadsafe(lambda: (reset_all(), done.set()))
+            done.wait(timeout=5)
         self.server.force_exit = True
         self.server.should_exit = True
         self.thread.join(timeout=10)
