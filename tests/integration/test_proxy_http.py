@@ -500,3 +500,25 @@ def test_reset_prefix_cache_broadcasts_and_purges(make_fleet) -> None:
     assert h.client.post("/reset_prefix_cache").status_code == 200
     assert all(("/reset_prefix_cache", None) in f.control_calls() for f in h.fakes)
     assert h.client.get("/admin/fleet").json()["routing"]["index_blocks"] == 0
+
+
+def test_block_size_is_learned_from_the_replicas(make_fleet) -> None:
+    h = make_fleet(fakes=[FakeVllm(name="a", block_size=32), FakeVllm(name="b", block_size=32)])
+    routing = h.client.get("/admin/fleet").json()["routing"]
+    assert routing["block_size"] == 32 and routing["error"] is None
+    h.client.post("/v1/completions", json=rollout("tiny/base", list(range(100)), 0))
+    assert h.client.get("/admin/fleet").json()["routing"]["index_blocks"] == 3  # 100 // 32
+
+
+def test_replicas_disagreeing_on_block_size_refuse_routing_clearly(make_fleet) -> None:
+    h = make_fleet(fakes=[FakeVllm(name="a", block_size=16), FakeVllm(name="b", block_size=32)])
+    r = h.client.post("/v1/completions", json=rollout("tiny/base", [1, 2, 3], 0))
+    assert r.status_code == 502
+    message = r.json()["error"]["message"]
+    assert "disagree on block size" in message and "replica 1: 32" in message
+    assert all(not f.served for f in h.fakes)
+
+
+def test_explicit_block_size_wins(make_fleet) -> None:
+    h = make_fleet(fakes=[FakeVllm(name="a", block_size=32)], block_size=16)
+    assert h.client.get("/admin/fleet").json()["routing"]["block_size"] == 16
