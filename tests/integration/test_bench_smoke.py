@@ -1,0 +1,140 @@
+"""Smoke runs of each benchmark (seconds each): they start, finish, and write a report whose rows
+carry numbers. What the numbers say is the benchmarks' business, not the test suite's.
+
+The Rust routers, nginx and wrk are optional installs (see bench/README.md); their parts are
+skipped with the reason when missing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.procs import REPO, find_tool
+
+RUST_ROUTERS = ("vllm-router", "sglang-router")
+
+
+def _run(module: str, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, f"{module} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def _finite(*values: object) -> bool:
+    return all(isinstance(v, int | float) and math.isfinite(v) for v in values)
+
+
+def _check_routing(out: Path, routers: list[str]) -> None:
+    data = json.loads((out / "routing.json").read_text())
+    rows = {(r["router"], r["replicas"]): r for r in data["results"]}
+    report = (out / "routing.md").read_text()
+    for name in routers:
+        r = rows[(name, 2)]
+        assert r["status"] == "ok", r["reason"]
+        assert r["errors"] == 0, r["reason"]
+        assert r["requests"] > 0
+        assert _finite(
+            r["hit_rate"],
+            r["oracle_rate"],
+            r["oracle_ratio"],
+            r["imbalance_busy"],
+            r["imbalance_load"],
+            r["throughput_tok_s"],
+            r["p50_s"],
+            r["p99_s"],
+            r["server_p50_s"],
+            r["server_p99_s"],
+        ), r
+        assert 0 < r["hit_rate"] <= 1 and 0 < r["oracle_rate"] <= 1
+        assert r["imbalance_busy"] >= 1 and r["p99_s"] >= r["p50_s"] > 0
+        assert sum(p["requests"] for p in r["per_replica"]) >= r["requests"]
+        assert f"| {name} | " in report
+    assert (out / "routing.png").stat().st_size > 10_000
+
+
+def test_routing_smoke_with_our_proxy(tmp_path: Path) -> None:
+    routers = ["proxy", "proxy-rr", "proxy-ll"]
+    _run("bench.run_routing", "--smoke", "--routers", ",".join(routers), "--out", str(tmp_path))
+    _check_routing(tmp_path, routers)
+    data = json.loads((tmp_path / "routing.json").read_text())
+    ours = next(r for r in data["results"] if r["router"] == "proxy")
+    # The proxy broadcasts TRL's control calls, so the driver sent them through it.
+    assert ours["control"] == "through router"
+    assert sum(ours["decisions"].values()) >= ours["requests"]
+
+
+@pytest.mark.parametrize("router", RUST_ROUTERS)
+def test_routing_smoke_with_rust_router(tmp_path: Path, router: str) -> None:
+    if find_tool(router) is None:
+        pytest.skip(f"{router} not installed (.venv-bench, see bench/README.md)")
+    _run("bench.run_routing", "--smoke", "--routers", router, "--out", str(tmp_path))
+    _check_routing(tmp_path, [router])
+
+
+def _check_overhead(out: Path, targets: list[str]) -> None:
+    data = json.loads((out / "overhead.json").read_text())
+    rows = {r["target"]: r for r in data["rows"]}
+    report = (out / "overhead.md").read_text()
+    for name in targets:
+        r = rows[name]
+        assert r["status"] == "ok", r["reason"]
+        assert r["errors"] == 0, r["reason"]
+        assert _finite(r["rps_64"], r["p50_8_us"], r["p99_8_us"], r["cpu_us_per_req"]), r
+        assert r["rps_64"] > 0 and r["cpu_us_per_req"] > 0
+        assert f"| {name} | " in report
+
+
+def _need_overhead_tools() -> None:
+    for tool in ("nginx", "wrk"):
+        if find_tool(tool) is None:
+            pytest.skip(f"{tool} not installed (apt-get install -y nginx wrk)")
+
+
+def test_overhead_smoke_with_our_proxy(tmp_path: Path) -> None:
+    _need_overhead_tools()
+    targets = ["direct", "proxy", "nginx", "py-floor"]
+    _run("bench.run_overhead", "--smoke", "--targets", ",".join(targets), "--out", str(tmp_path))
+    _check_overhead(tmp_path, targets)
+
+
+def test_overhead_smoke_with_rust_routers(tmp_path: Path) -> None:
+    _need_overhead_tools()
+    targets = [r for r in RUST_ROUTERS if find_tool(r) is not None]
+    if not targets:
+        pytest.skip("neither vllm-router nor sglang-router installed (.venv-bench)")
+    _run("bench.run_overhead", "--smoke", "--targets", ",".join(targets), "--out", str(tmp_path))
+    _check_overhead(tmp_path, targets)
+
+
+def test_profile_smoke(tmp_path: Path) -> None:
+    _need_overhead_tools()
+    if find_tool("py-spy") is None:
+        pytest.skip("py-spy not installed (.venv-bench, see bench/README.md)")
+    _run("bench.profile_proxy", "--duration", "2", "--out", str(tmp_path))
+    report = (tmp_path / "overhead_profile.md").read_text()
+    assert "## By component" in report
+    assert "proxy/" in report  # the proxy's own frames were sampled
+
+
+def test_micro_smoke(tmp_path: Path) -> None:
+    _run("bench.run_micro", "--smoke", "--out", str(tmp_path))
+    data = json.loads((tmp_path / "micro.json").read_text())
+    names = [t["name"] for t in data["hashing"]]
+    assert any(n.startswith("fast") for n in names) and any(n.startswith("exact") for n in names)
+    for t in data["hashing"]:
+        assert _finite(t["median_us"], t["min_us"]) and t["median_us"] > 0
+    for m in data["index"]:
+        assert m["blocks"] > 0 and _finite(m["bytes_per_block"]) and m["bytes_per_block"] > 0
+    assert "bytes per block" in (tmp_path / "micro.md").read_text()

@@ -1,0 +1,187 @@
+"""The AsyncGRPO-shaped workload plan, the oracle, the report and profile helpers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bench.oracle import oracle_hits
+from bench.profile_proxy import buckets, parse_raw
+from bench.report import percentile, table
+from bench.workload import RequestRecord, WorkloadConfig, build_plan, completion_body, plan_summary
+
+
+def test_plan_is_deterministic_in_the_seed() -> None:
+    cfg = WorkloadConfig(groups=12)
+    assert build_plan(cfg) == build_plan(cfg)
+    assert build_plan(cfg) != build_plan(WorkloadConfig(groups=12, seed=1))
+
+
+def test_groups_share_their_prompt_and_everyone_shares_the_template() -> None:
+    cfg = WorkloadConfig(groups=10, group_size=8, template_tokens=40)
+    plan = build_plan(cfg)
+    assert len(plan) == 80
+    template = plan[0].prompt[:40]
+    for g in range(10):
+        members = [s for s in plan if s.group == g]
+        assert len(members) == 8
+        assert len({s.prompt for s in members}) == 1
+        assert members[0].prompt[:40] == template
+    assert len({s.prompt for s in plan}) == 10
+
+
+def test_rollouts_are_issued_group_by_group() -> None:
+    plan = build_plan(WorkloadConfig(groups=4, group_size=8))
+    assert [s.index for s in plan] == list(range(32))
+    assert [s.group for s in plan] == [i // 8 for i in range(32)]
+    assert [s.member for s in plan] == [i % 8 for i in range(32)]
+
+
+def test_versions_advance_every_k_rollouts() -> None:
+    plan = build_plan(WorkloadConfig(groups=8, group_size=8, rollouts_per_version=16))
+    assert [s.version for s in plan] == [i // 16 for i in range(64)]
+
+
+def test_multi_turn_share_and_shape() -> None:
+    cfg = WorkloadConfig(groups=400, multi_turn_fraction=0.25, max_extra_turns=2)
+    plan = build_plan(cfg)
+    multi_groups = {s.group for s in plan if len(s.turns) > 1}
+    assert 0.18 < len(multi_groups) / 400 < 0.32
+    for s in plan:
+        assert 1 <= len(s.turns) <= 3
+        assert s.turns[-1].tool_tokens == ()  # the final answer has no tool call after it
+        assert s.turns[-1].max_tokens == cfg.max_tokens
+        for t in s.turns[:-1]:
+            assert t.tool_tokens and t.max_tokens == cfg.turn_max_tokens
+    # A group is a tool task or not; its members' trajectories may differ in length.
+    for g in multi_groups:
+        assert all(len(s.turns) > 1 for s in plan if s.group == g)
+
+
+def test_single_turn_only_when_fraction_is_zero() -> None:
+    plan = build_plan(WorkloadConfig(groups=20, multi_turn_fraction=0.0))
+    assert all(len(s.turns) == 1 for s in plan)
+
+
+def test_prompt_lengths_look_like_math_problems() -> None:
+    cfg = WorkloadConfig(groups=500)
+    lengths = sorted(len(s.prompt) for s in build_plan(cfg)[:: cfg.group_size])
+    median = lengths[len(lengths) // 2]
+    assert 130 <= median <= 170  # template 40 + problem median 110
+    assert lengths[0] >= 40 + cfg.problem_min_tokens
+    assert lengths[-1] <= 40 + cfg.problem_max_tokens
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"groups": 0}, "groups"),
+        ({"multi_turn_fraction": 1.5}, "multi_turn_fraction"),
+        ({"problem_min_tokens": 50, "problem_max_tokens": 10}, "problem_min_tokens"),
+        ({"problem_max_tokens": 4090}, "room to generate"),
+        ({"max_inflight": 0}, "max_inflight"),
+    ],
+)
+def test_bad_workload_config_is_refused(kwargs: dict[str, float], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        WorkloadConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def test_request_body_is_trls() -> None:
+    body = completion_body("trl-policy-v3", [5, 6, 7], 100, 42, "ids")
+    assert body["prompt"] == [5, 6, 7]
+    assert body["return_token_ids"] is True and body["logprobs"] == 0 and body["n"] == 1
+    assert completion_body("m", [5, 6, 7], 1, 1, "text")["prompt"] == "5 6 7"
+
+
+def test_summary_counts() -> None:
+    plan = build_plan(WorkloadConfig(groups=6, rollouts_per_version=16))
+    summary = plan_summary(plan)
+    assert summary["rollouts"] == 48 and summary["groups"] == 6 and summary["versions"] == 3
+    assert summary["planned_requests"] >= 48
+
+
+# -- oracle ----------------------------------------------------------------------------------
+
+
+def _rec(t: float, prompt: list[int], completion: list[int], model: str = "m") -> RequestRecord:
+    return RequestRecord(0, 0, model, "/p", t, t + 0.5, prompt, completion, 200)
+
+
+def test_oracle_hits_a_repeated_prompt_up_to_vllms_cap() -> None:
+    prompt = list(range(64))  # 4 blocks; cap (64-1)//16 = 3
+    recs = [_rec(0.0, prompt, [1] * 16), _rec(0.1, prompt, [2] * 16)]
+    result = oracle_hits(recs, [], capacity_blocks=100, block_size=16)
+    assert result.per_request == (0, 48)
+    assert result.query_tokens == 128
+    assert math.isclose(result.hit_rate, 48 / 128)
+
+
+def test_oracle_caches_completions_for_the_next_turn() -> None:
+    prompt, completion = list(range(32)), list(range(100, 132))
+    turn2 = prompt + completion + [7] * 10
+    recs = [_rec(0.0, prompt, completion), _rec(1.0, turn2, [3])]
+    assert oracle_hits(recs, [], capacity_blocks=100, block_size=16).per_request == (0, 64)
+
+
+def test_oracle_is_cleared_by_a_pause_and_keys_by_adapter() -> None:
+    prompt = list(range(48))
+    recs = [_rec(0.0, prompt, [1]), _rec(2.0, prompt, [1])]
+    assert oracle_hits(recs, [1.0], capacity_blocks=100, block_size=16).per_request == (0, 0)
+    other = [_rec(0.0, prompt, [1], "a"), _rec(2.0, prompt, [1], "b")]
+    assert oracle_hits(other, [], capacity_blocks=100, block_size=16).per_request == (0, 0)
+
+
+def test_oracle_capacity_is_lru() -> None:
+    a, b = list(range(48)), list(range(100, 148))
+    recs = [_rec(0.0, a, []), _rec(1.0, b, []), _rec(2.0, a, [])]
+    assert oracle_hits(recs, [], capacity_blocks=3, block_size=16).per_request == (0, 0, 0)
+    assert oracle_hits(recs, [], capacity_blocks=6, block_size=16).per_request == (0, 0, 32)
+
+
+def test_oracle_ignores_failed_requests() -> None:
+    bad = _rec(0.0, list(range(48)), [])
+    bad.error = "HTTP 500"
+    result = oracle_hits(
+        [bad, _rec(1.0, list(range(48)), [])], [], capacity_blocks=9, block_size=16
+    )
+    assert result.per_request == (0,)
+
+
+# -- report helpers ----------------------------------------------------------------------------
+
+
+def test_percentile_interpolates() -> None:
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([5.0], 99) == 5.0
+    assert math.isnan(percentile([], 50))
+    with pytest.raises(ValueError):
+        percentile([1.0], 101)
+
+
+def test_table_rejects_ragged_rows() -> None:
+    assert table(["a", "b"], [["1", "2"]]).splitlines()[2] == "| 1 | 2 |"
+    with pytest.raises(ValueError):
+        table(["a", "b"], [["1"]])
+
+
+# -- profile parsing -------------------------------------------------------------------------
+
+
+def test_profile_parser_counts_self_and_inclusive_time() -> None:
+    raw = (
+        "main (a.py);handle (starlette/routing.py);loads (json/decoder.py) 3\n"
+        "main (a.py);handle (starlette/routing.py);emit (logging/__init__.py) 1\n"
+        "main (a.py);record (proxy/core/prefix_index.py) 2\n"
+        "garbage line\n"
+    )
+    self_c, incl, total = parse_raw(raw)
+    assert total == 6
+    assert self_c["loads (json/decoder.py)"] == 3
+    assert incl["main (a.py)"] == 6 and incl["handle (starlette/routing.py)"] == 4
+    by, n = buckets(raw)
+    assert n == 6
+    assert by["JSON / body handling in proxy.core.extract"] == 3
+    assert by["logging (log records, formatting, stream writes)"] == 1
+    assert by["hashing + prefix index + policy (proxy.core)"] == 2
