@@ -20,11 +20,13 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
+import orjson
 from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 
 from proxy.core.extract import RoutingKey
 from proxy.core.fleet import Fleet, Replica, Status
+from proxy.core.policy import Decision
 from proxy.core.router import Router
 from proxy.errors import ModelNotFound, UpstreamUnavailable
 from proxy.metrics import Metrics, status_label
@@ -166,6 +168,8 @@ class DataPlane:
             self._track(replica, -1)
             self.metrics.upstream_seconds.labels(route, label).observe(upstream_s)
             self.metrics.requests.labels(route, label, status_label(response.status_code)).inc()
+            if response.status_code == 200 and key.tokens is not None and key.num_prompts == 1:
+                self._remember_completion(key, decision, response.content, lora_path)
             result = Response(
                 response.content,
                 response.status_code,
@@ -175,6 +179,23 @@ class DataPlane:
                 time.perf_counter() - started - upstream_s
             )
             return result
+
+    def _remember_completion(
+        self, key: RoutingKey, decision: Decision, content: bytes, lora_path: str | None
+    ) -> None:
+        """Index ``prompt + completion`` on the replica that generated it (TRL always asks for
+        ``return_token_ids``; without them there is nothing to remember)."""
+        if b'"token_ids"' not in content:
+            return
+        try:
+            choices = orjson.loads(content).get("choices")
+            if isinstance(choices, list) and len(choices) == 1:
+                generated = choices[0].get("token_ids")
+                if isinstance(generated, list) and generated:
+                    self.router.record_completion(key, decision, generated, lora_path)
+        except (orjson.JSONDecodeError, AttributeError, TypeError, OverflowError) as exc:
+            # A malformed answer is the client's to see; routing just learns nothing from it.
+            log.debug("could not index a completion: %s", exc)
 
     def _stream(
         self,

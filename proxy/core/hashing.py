@@ -59,6 +59,11 @@ class BlockHasher(Protocol):
 
     def hash_text(self, text: bytes, namespace: Namespace) -> list[int]: ...
 
+    def extend(self, parent: int, tokens: Sequence[int], namespace: Namespace) -> list[int] | None:
+        """Keys of the blocks that follow the block keyed ``parent`` (``tokens`` start at a
+        block boundary), or None when the chain cannot be resumed from a key alone."""
+        ...
+
 
 def _token_bytes(tokens: Sequence[int]) -> tuple[bytes, int]:
     """Packed token ids and the width of one id in bytes."""
@@ -99,6 +104,11 @@ class FastHasher:
     def hash_tokens(self, tokens: Sequence[int], namespace: Namespace) -> list[int]:
         data, width = _token_bytes(tokens)
         return _chain(data, width * self.block_size, _namespace_seed(namespace))
+
+    def extend(self, parent: int, tokens: Sequence[int], namespace: Namespace) -> list[int] | None:
+        # The chain's state *is* the previous key (it is the next block's seed).
+        data, width = _token_bytes(tokens)
+        return _chain(data, width * self.block_size, parent)
 
     def hash_text(self, text: bytes, namespace: Namespace) -> list[int]:
         # 4 bytes per pseudo-token: see proxy/core/extract.py for why.
@@ -181,6 +191,9 @@ class VllmHasher:
             mix = xxhash.xxh3_64_intdigest(namespace.epoch.to_bytes(8, "little"))
             keys = [k ^ mix for k in keys]
         return keys
+
+    def extend(self, parent: int, tokens: Sequence[int], namespace: Namespace) -> list[int] | None:
+        return None  # an index key is 64 bits of a 256-bit digest: the chain must restart
 
     def hash_text(self, text: bytes, namespace: Namespace) -> list[int]:
         # vLLM hashes token ids; without a tokenizer no exact prediction exists, so text

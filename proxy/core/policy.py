@@ -29,6 +29,7 @@ class Decision:
     replica: int
     outcome: Outcome
     matched_blocks: int
+    blocks: tuple[int, ...] = ()  # the prompt's block keys, set by the router (for extension)
 
 
 class Policy(Protocol):

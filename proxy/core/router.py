@@ -101,7 +101,34 @@ class Router:
         matches = self.specific_matches(matchable, [r for r, _ in loads])
         decision = self.policy.choose([Candidate(r, load, matches[r]) for r, load in loads])
         self.index.record(blocks, decision.replica)
-        return decision
+        return Decision(decision.replica, decision.outcome, decision.matched_blocks, tuple(blocks))
+
+    def record_completion(
+        self,
+        key: RoutingKey,
+        decision: Decision,
+        completion: Sequence[int],
+        lora_path: str | None = None,
+    ) -> None:
+        """The replica now also caches the generated tokens: remember ``prompt + completion``.
+
+        A multi-turn rollout's next prompt is ``prompt + completion + tool output``; without
+        this the continuation matches only the original prompt, and a request that was frozen
+        by a cache-clearing pause and finished afterwards would not be remembered at all
+        (bench/README.md measured most of the proxy's lost hits in these two cases)."""
+        if key.tokens is None or not completion or not self.policy.uses_prefix:
+            return
+        bs = self.block_size
+        full = len(key.tokens) // bs
+        keys: list[int] | None = None
+        if full and len(decision.blocks) == full:
+            tail = list(key.tokens[full * bs :]) + list(completion)
+            more = self.hasher.extend(decision.blocks[-1], tail, self.namespace(key, lora_path))
+            keys = None if more is None else list(decision.blocks) + more
+        if keys is None:
+            ns = self.namespace(key, lora_path)
+            keys = self.hasher.hash_tokens(list(key.tokens) + list(completion), ns)
+        self.index.record(keys, decision.replica)
 
     def purge_model(self, model: str) -> None:
         """Make every block of ``model`` unreachable (adapter unloaded): O(1), the stale

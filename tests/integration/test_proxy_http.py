@@ -522,3 +522,27 @@ def test_replicas_disagreeing_on_block_size_refuse_routing_clearly(make_fleet) -
 def test_explicit_block_size_wins(make_fleet) -> None:
     h = make_fleet(fakes=[FakeVllm(name="a", block_size=32)], block_size=16)
     assert h.client.get("/admin/fleet").json()["routing"]["block_size"] == 16
+
+
+def test_next_turn_matches_the_generated_tokens(make_fleet) -> None:
+    h = make_fleet(3)
+    rng = random.Random(11)
+    for _ in range(6):
+        h.client.post("/v1/completions", json=rollout("tiny/base", make_prompt(rng), 0))
+    p = make_prompt(rng)
+    body = rollout("tiny/base", p, 1) | {"max_tokens": 64}
+    first = h.client.post("/v1/completions", json=body)
+    generated = first.json()["choices"][0]["token_ids"]
+    before = h.rt.router.index.lookup(
+        h.rt.router.block_keys(
+            __import__("proxy.core.extract", fromlist=["x"]).extract_completion(
+                {"model": "tiny/base", "prompt": p + generated}
+            )
+        )
+    )
+    # every full block of prompt + completion is indexed on the serving replica
+    assert len(before) == (len(p) + len(generated)) // 16
+    turn2 = h.client.post(
+        "/v1/completions", json=rollout("tiny/base", p + generated + [9, 9, 9], 2)
+    )
+    assert turn2.headers["x-proxy-replica"] == first.headers["x-proxy-replica"]

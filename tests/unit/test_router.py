@@ -141,3 +141,37 @@ def test_baseline_policies_skip_hashing() -> None:
     router = Router(FastHasher(16), PrefixIndex(10), RoundRobin())
     router.route(key(list(range(64))), [(0, 0.0), (1, 0.0)])
     assert len(router.index) == 0
+
+
+def test_extend_equals_hashing_the_whole_sequence() -> None:
+    hasher = FastHasher(16)
+    ns = __import__("proxy.core.hashing", fromlist=["Namespace"]).Namespace("m")
+    tokens = list(range(200))
+    whole = hasher.hash_tokens(tokens, ns)
+    head = hasher.hash_tokens(tokens[:64], ns)
+    assert head + (hasher.extend(head[-1], tokens[64:], ns) or []) == whole
+
+
+def test_completion_is_remembered_so_the_next_turn_matches_it_too() -> None:
+    router, fleet, rng = make_router(), Fleet(4), random.Random(9)
+    for _ in range(8):
+        d = router.route(key(prompt(rng)), fleet.loads())
+        fleet.load[d.replica] += 1
+    p = prompt(rng, 100)  # 148 tokens: 9 full blocks, 4 tokens of tail
+    first = router.route(key(p), fleet.loads())
+    completion = [rng.randrange(50_000) for _ in range(300)]
+    router.record_completion(key(p), first, completion)
+    turn2 = p + completion + [7] * 20
+    d = router.route(key(turn2), fleet.loads())
+    assert d.replica == first.replica and d.outcome == "affinity"
+    assert d.matched_blocks >= (len(p) + len(completion)) // 16 - 4  # beyond the template
+
+
+def test_a_rollout_finishing_after_a_cache_clearing_pause_is_remembered() -> None:
+    router, fleet, rng = make_router(), Fleet(2), random.Random(10)
+    p = prompt(rng)
+    frozen = router.route(key(p), fleet.loads())
+    router.purge_all()  # pause with clear_cache while the rollout was in flight
+    router.record_completion(key(p), frozen, [rng.randrange(50_000) for _ in range(64)])
+    again = router.route(key(p), fleet.loads())
+    assert again.replica == frozen.replica and again.matched_blocks > 0
