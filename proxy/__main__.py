@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 
 from pydantic import ValidationError
 from pydantic_settings import CliApp
 
 from proxy.logs import configure_logging
+from proxy.security import install_log_redaction, posture, settings_secrets
 from proxy.settings import Settings
+
+log = logging.getLogger("rollout_proxy")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -20,6 +24,10 @@ def main(argv: list[str] | None = None) -> None:
         )
         sys.exit(f"rollout-proxy: invalid configuration: {problems}")
     configure_logging(settings.log_level, settings.log_json)
+    # Nothing logs a key or the token; should anything ever try, the line is redacted.
+    install_log_redaction(settings_secrets(settings))
+    for level, line in posture(settings):
+        log.log(level, line)
 
     import uvicorn
 
@@ -32,6 +40,10 @@ def main(argv: list[str] | None = None) -> None:
         log_config=None,
         access_log=False,
         lifespan="on",
+        # Bounds the bytes h11 buffers for an incomplete request head (with httptools, uvicorn's
+        # default when installed, only the middleware's 431 check applies, after parsing).
+        h11_max_incomplete_event_size=settings.max_header_bytes,
+        server_header=False,
     )
 
 

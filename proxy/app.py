@@ -6,10 +6,8 @@ proxy through an ASGI transport without sockets.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -17,6 +15,7 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -31,11 +30,26 @@ from proxy.core.router import Router
 from proxy.dataplane import DataPlane
 from proxy.errors import InvalidRequest, NotSupported, ProxyError, UpstreamUnavailable
 from proxy.health import HealthMonitor
+from proxy.hotpath import HotPath, parse_json, request_id
 from proxy.membership import Membership, describe
 from proxy.metrics import Metrics, status_label
 from proxy.probes import Probes
+from proxy.relay import make_relay
+from proxy.security import (
+    CHAT_BODY,
+    COMPLETION_BODY,
+    LOAD_BODY,
+    UNLOAD_BODY,
+    AdapterRoots,
+    Guard,
+    PromptLimits,
+    SecurityMiddleware,
+    fleet_max_model_len,
+    redact,
+    settings_secrets,
+)
 from proxy.settings import Settings
-from proxy.upstream import Upstream
+from proxy.upstream import Upstream, tls_verify
 
 log = logging.getLogger("rollout_proxy")
 
@@ -109,12 +123,13 @@ def build_runtime(settings: Settings, transport: httpx.AsyncBaseTransport | None
         make_policy(settings.policy, settings.imbalance),
     )
     secrets = (settings.upstream_token.get_secret_value(),) if settings.upstream_token else ()
-    checker = None
+    checker = AdapterRoots(settings.adapter_roots).check if settings.adapter_roots else None
     control = ControlPlane(settings, fleet, router, upstream, metrics, path_check=checker)
     health = HealthMonitor(settings, fleet, control, upstream, metrics)
     rt_holder: dict[str, Runtime] = {}
+    relay = make_relay(settings, upstream, tls_verify(settings), transport is not None)
     data = DataPlane(
-        fleet, router, upstream, metrics, control.eject, lambda: rt_holder["rt"].routing_error
+        fleet, router, relay, metrics, control.eject, lambda: rt_holder["rt"].routing_error
     )
     rt = Runtime(
         settings,
@@ -152,25 +167,10 @@ def configure_routing(rt: Runtime) -> None:
         log.error(rt.routing_error)
 
 
-def _request_id(request: Request) -> str:
-    rid = request.headers.get("x-request-id", "")
-    # Echoed into logs and upstream headers: accept only short, printable ids.
-    if 0 < len(rid) <= 128 and rid.isprintable() and rid.isascii():
-        return rid
-    return uuid.uuid4().hex
-
-
 def _reply(reply: Reply) -> Response:
     if reply.media_type == "text/plain":
         return PlainTextResponse(str(reply.body), reply.status)
     return JSONResponse(reply.body, reply.status)
-
-
-def _parse_json(raw: bytes) -> Any:
-    try:
-        return json.loads(raw)
-    except ValueError as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
 
 
 def create_app(
@@ -183,6 +183,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await rt.data.relay.start()
         await rt.health.start_up()
         configure_routing(rt)
         if background:
@@ -191,21 +192,58 @@ def create_app(
             yield
         finally:
             await rt.health.stop()
+            await rt.data.relay.aclose()
             await rt.upstream.aclose()
 
     app = FastAPI(title="rollout-proxy", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.rt = rt
 
+    # -- security: keys, canonical paths, size limits (proxy/security.py) --------------------
+    def _rejected(scope: Any, status: int) -> None:
+        route = _route_of(Request(scope))
+        rt.metrics.requests.labels(route, "none", status_label(status)).inc()
+
+    limits = PromptLimits(
+        settings.max_prompt_tokens,
+        settings.max_batch_prompts,
+        lambda: fleet_max_model_len(r.max_model_len for r in rt.fleet.members()),
+    )
+    # Error messages echo replicas' own error text; a replica (or a gateway in front of it)
+    # could quote the token back, so every error body is redacted on its way out.
+    echo_secrets = tuple(settings_secrets(settings))
+    # The hot routes skip FastAPI's own stack (proxy/hotpath.py). Added before the security
+    # middleware, so that security stays outermost and guards them too.
+    app.add_middleware(
+        HotPath,
+        forward=rt.data.forward,
+        metrics=rt.metrics,
+        tokenizer=lambda: rt.tokenizer,
+        check=limits.check,
+        render_error=lambda exc: redact(exc.to_body(), echo_secrets),
+    )
+    app.add_middleware(SecurityMiddleware, guard=Guard.from_settings(settings), on_reject=_rejected)
+    # -- end security --------------------------------------------------------------------------
+
     @app.exception_handler(ProxyError)
     async def proxy_error(request: Request, exc: ProxyError) -> JSONResponse:
         rt.metrics.requests.labels(_route_of(request), "none", status_label(exc.status_code)).inc()
-        return JSONResponse(exc.to_body(), exc.status_code)
+        return JSONResponse(redact(exc.to_body(), echo_secrets), exc.status_code)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         err = ProxyError(str(exc.detail), status_code=exc.status_code)
         err.error_type = "NotFoundError" if exc.status_code == 404 else "BadRequestError"
         return JSONResponse(err.to_body(), exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's own 422 {"detail": [...]} for typed parameters (/admin/replicas/{index}):
+        # a 400 in the OpenAI shape like every other error, as vLLM does. Inputs not echoed.
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', ()))}: {e.get('msg', 'invalid')}"
+            for e in exc.errors()
+        )
+        return await proxy_error(request, InvalidRequest(f"invalid request: {problems}"))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -217,15 +255,18 @@ def create_app(
     async def _routed(request: Request, route: str, path: str, chat: bool) -> Response:
         started = time.perf_counter()
         raw = await request.body()
-        body = _parse_json(raw)
+        body = parse_json(raw)
         key: RoutingKey = (extract_chat if chat else extract_completion)(body, rt.tokenizer)
-        return await rt.data.forward(route, path, raw, key, _request_id(request), started)
+        limits.check(body, key)
+        return await rt.data.forward(
+            route, path, raw, key, request_id(request.scope["headers"]), started
+        )
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=COMPLETION_BODY)
     async def completions(request: Request) -> Response:
         return await _routed(request, "completions", "/v1/completions", chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=CHAT_BODY)
     async def chat_completions(request: Request) -> Response:
         return await _routed(request, "chat_completions", "/v1/chat/completions", chat=True)
 
@@ -264,11 +305,11 @@ def create_app(
 
     # -- control plane ----------------------------------------------------------------------
 
-    @app.post("/v1/load_lora_adapter")
+    @app.post("/v1/load_lora_adapter", openapi_extra=LOAD_BODY)
     async def load_lora_adapter(request: Request) -> Response:
         return _reply(await rt.control.load_adapter(await request.body()))
 
-    @app.post("/v1/unload_lora_adapter")
+    @app.post("/v1/unload_lora_adapter", openapi_extra=UNLOAD_BODY)
     async def unload_lora_adapter(request: Request) -> Response:
         return _reply(await rt.control.unload_adapter(await request.body()))
 
@@ -328,7 +369,7 @@ def create_app(
 
     @app.post("/admin/replicas")
     async def add_replica(request: Request) -> JSONResponse:
-        body = _parse_json(await request.body())
+        body = parse_json(await request.body())
         if not isinstance(body, dict):
             raise InvalidRequest("request body must be a JSON object with 'url'")
         return JSONResponse(await rt.membership.add(body.get("url")), 201)
@@ -345,9 +386,18 @@ def create_app(
     async def remove_replica(index: int, timeout_s: float = 60.0) -> JSONResponse:
         return JSONResponse(await rt.membership.remove(index, timeout_s))
 
-    @app.api_route("/v1/{rest:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def forward_other(request: Request, rest: str) -> Response:
         return await _forward_one(request)
+
+    # One route per method: a multi-method route gives every method the same OpenAPI operation
+    # id, and FastAPI warns on each /openapi.json (an error under the tests' warning filter).
+    for method in ("GET", "POST", "PUT", "DELETE", "PATCH"):
+        app.add_api_route(
+            "/v1/{rest:path}",
+            forward_other,
+            methods=[method],
+            name=f"forward_other_{method.lower()}",
+        )
 
     return app
 

@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import httpx
 import orjson
-from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 
 from proxy.core.extract import RoutingKey
@@ -30,7 +28,8 @@ from proxy.core.policy import Decision
 from proxy.core.router import Router
 from proxy.errors import ModelNotFound, UpstreamUnavailable
 from proxy.metrics import Metrics, status_label
-from proxy.upstream import ReplicaBroken, ReplicaUnreachable, Upstream
+from proxy.relay import Relay, Reply
+from proxy.upstream import ReplicaBroken, ReplicaUnreachable
 
 log = logging.getLogger("rollout_proxy.dataplane")
 
@@ -41,18 +40,16 @@ RELAYED_HEADERS = ("content-type", "x-request-id", "cache-control")
 RETRIED_STATUSES = frozenset({500, 502, 503})
 
 
-def _relay_headers(response: httpx.Response, replica: int, request_id: str) -> dict[str, str]:
-    headers = {k: response.headers[k] for k in RELAYED_HEADERS if k in response.headers}
+def _relay_headers(reply: Reply, replica: int, request_id: str) -> dict[str, str]:
+    headers = {k: reply.headers[k] for k in RELAYED_HEADERS if k in reply.headers}
     headers["x-proxy-replica"] = str(replica)
     headers["x-request-id"] = request_id
     return headers
 
 
-def _lost_adapter(response: httpx.Response, model: str) -> bool:
+def _lost_adapter(reply: Reply, model: str) -> bool:
     return (
-        response.status_code == 404
-        and "does not exist" in response.text
-        and model in (response.text)
+        reply.status == 404 and b"does not exist" in reply.body and model.encode() in (reply.body)
     )
 
 
@@ -61,14 +58,14 @@ class DataPlane:
         self,
         fleet: Fleet,
         router: Router,
-        upstream: Upstream,
+        relay: Relay,
         metrics: Metrics,
         eject: Callable[[Replica, str], None],
         routing_error: Callable[[], str | None],
     ) -> None:
         self.fleet = fleet
         self.router = router
-        self.upstream = upstream
+        self.relay = relay
         self.metrics = metrics
         self.eject = eject
         self.routing_error = routing_error
@@ -117,14 +114,14 @@ class DataPlane:
             sent_at = time.perf_counter()
             routed = sent_at - started
             try:
-                if key.stream:
-                    response = await self.upstream.open_stream(
-                        replica.index, replica.url, path, raw, headers
-                    )
-                else:
-                    response = await self.upstream.call(
-                        replica.index, replica.url, "POST", path, content=raw, headers=headers
-                    )
+                reply = await self.relay.post(
+                    replica.index, replica.url, path, raw, headers, key.stream
+                )
+                if key.stream and reply.status != 200:
+                    # An error is a small JSON body, not a stream: read it, so that it can be
+                    # retried or relayed like any other answer.
+                    reply.body = b"".join([c async for c in reply.chunks()])
+                    await reply.close()
             except ReplicaUnreachable as exc:
                 self._track(replica, -1)
                 self.eject(replica, exc.message)
@@ -136,8 +133,8 @@ class DataPlane:
             except BaseException:
                 self._track(replica, -1)
                 raise
-            if _lost_adapter(response, key.model) and lora_path is not None:
-                await response.aclose()
+            if lora_path is not None and _lost_adapter(reply, key.model):
+                await reply.close()
                 self._track(replica, -1)
                 replica.adapters.pop(key.model, None)
                 if replica.status is Status.READY:
@@ -149,31 +146,30 @@ class DataPlane:
                     key.model,
                 )
                 continue
-            if response.status_code in RETRIED_STATUSES and any(
+            if reply.status in RETRIED_STATUSES and any(
                 r.index not in tried for r in self.fleet.eligible(key.model)
             ):
-                await response.aclose()
+                await reply.close()
                 self._track(replica, -1)
-                self.metrics.requests.labels(route, label, status_label(response.status_code)).inc()
+                self.metrics.requests.labels(route, label, status_label(reply.status)).inc()
                 log.warning(
                     "request %s: replica %d answered %d; retrying elsewhere",
                     request_id,
                     replica.index,
-                    response.status_code,
+                    reply.status,
                 )
                 continue
-            if key.stream:
-                return self._stream(route, replica, response, request_id, sent_at, routed)
+            if key.stream and reply.status == 200:
+                return self._stream(route, replica, reply, request_id, sent_at, routed)
+            await reply.close()
             upstream_s = time.perf_counter() - sent_at
             self._track(replica, -1)
             self.metrics.upstream_seconds.labels(route, label).observe(upstream_s)
-            self.metrics.requests.labels(route, label, status_label(response.status_code)).inc()
-            if response.status_code == 200 and key.tokens is not None and key.num_prompts == 1:
-                self._remember_completion(key, decision, response.content, lora_path)
+            self.metrics.requests.labels(route, label, status_label(reply.status)).inc()
+            if reply.status == 200 and key.tokens is not None and key.num_prompts == 1:
+                self._remember_completion(key, decision, reply.body, lora_path)
             result = Response(
-                response.content,
-                response.status_code,
-                _relay_headers(response, replica.index, request_id),
+                reply.body, reply.status, _relay_headers(reply, replica.index, request_id)
             )
             self.metrics.proxy_seconds.labels(route).observe(
                 time.perf_counter() - started - upstream_s
@@ -201,47 +197,44 @@ class DataPlane:
         self,
         route: str,
         replica: Replica,
-        response: httpx.Response,
+        reply: Reply,
         request_id: str,
         sent_at: float,
         routed: float,
     ) -> StreamingResponse:
         label = str(replica.index)
 
-        async def relay() -> AsyncIterator[bytes]:
-            async for chunk in response.aiter_raw():
-                yield chunk
-
         async def finish() -> None:
-            await response.aclose()
-
-        done = False
-
-        def account(_: Any = None) -> None:
-            nonlocal done
-            if done:
-                return
-            done = True
             self._track(replica, -1)
             self.metrics.upstream_seconds.labels(route, label).observe(
                 time.perf_counter() - sent_at
             )
-            self.metrics.requests.labels(route, label, status_label(response.status_code)).inc()
+            self.metrics.requests.labels(route, label, status_label(reply.status)).inc()
             self.metrics.proxy_seconds.labels(route).observe(routed)
+            await reply.close()
 
-        async def guarded() -> AsyncIterator[bytes]:
-            # Runs when the client finishes *or* goes away (Starlette cancels the iteration on
-            # disconnect): either way the upstream stream is closed and in-flight released.
-            try:
-                async for chunk in relay():
-                    yield chunk
-            finally:
-                account()
-                await response.aclose()
-
-        return StreamingResponse(
-            guarded(),
-            response.status_code,
-            _relay_headers(response, replica.index, request_id),
-            background=BackgroundTask(finish),
+        return _RelayedStream(
+            reply.chunks(), reply.status, _relay_headers(reply, replica.index, request_id), finish
         )
+
+
+class _RelayedStream(StreamingResponse):
+    """A relayed SSE stream whose upstream is closed, and in-flight count released, however the
+    response ends: finished, failed, or the client gone -- even before the first chunk, when
+    Starlette cancels the send before the body iterator ever ran its ``finally``."""
+
+    def __init__(
+        self,
+        content: AsyncIterator[bytes],
+        status_code: int,
+        headers: dict[str, str],
+        on_close: Callable[[], Awaitable[None]],
+    ) -> None:
+        super().__init__(content, status_code, headers)
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()

@@ -93,6 +93,7 @@ class HealthMonitor:
         self.upstream = upstream
         self.metrics = metrics
         self._task: asyncio.Task[None] | None = None
+        self._reconciling: dict[int, asyncio.Task[None]] = {}
 
     # -- probes -----------------------------------------------------------------------------
 
@@ -161,11 +162,27 @@ class HealthMonitor:
             self.metrics.replica_healthy.labels(label).set(0)
             return
         await self.scrape(replica)
-        if self.control.lock.locked() and not wait_for_lock:
-            return  # a broadcast is running; look again next round rather than queue behind it
+        if wait_for_lock:
+            await self._observe_and_reconcile(replica)
+            return
+        # Observation and reconciliation queue for the control lock (FIFO) in a task of their
+        # own: the probe round must not wait behind a broadcast (a lagging mount can hold the
+        # lock for minutes, and ejections must stay prompt), and skipping them while the lock
+        # is busy would starve a replica under frequent weight syncs.
+        pending = self._reconciling.get(replica.index)
+        if pending is None or pending.done():
+            self._reconciling[replica.index] = asyncio.create_task(
+                self._observe_and_reconcile(replica), name=f"reconcile-{replica.index}"
+            )
+
+    async def _observe_and_reconcile(self, replica: Replica) -> None:
         async with self.control.lock:
+            if replica.status is Status.REMOVED:
+                return
             await self.reconcile_locked(replica)
-        self.metrics.replica_healthy.labels(label).set(1 if replica.status is Status.READY else 0)
+        self.metrics.replica_healthy.labels(str(replica.index)).set(
+            1 if replica.status is Status.READY else 0
+        )
 
     async def reconcile_locked(self, replica: Replica) -> None:
         label = str(replica.index)
@@ -248,7 +265,9 @@ class HealthMonitor:
         self._task = asyncio.create_task(self._loop(), name="rollout-proxy-health")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        tasks = [t for t in (self._task, *self._reconciling.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._task = None
+        self._reconciling.clear()

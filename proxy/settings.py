@@ -14,15 +14,23 @@ from urllib.parse import urlsplit
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from proxy.core.extract import MAX_BATCH_PROMPTS
 from proxy.core.hashing import VLLM_HASH_ALGOS
 from proxy.core.policy import POLICIES
 from proxy.core.prefix_index import DEFAULT_MAX_REPLICAS
+from proxy.security import MIN_KEY_CHARS, is_loopback, normalize_root
 
 
 def normalize_replica_url(url: str) -> str:
     """A replica base URL, checked: http(s), a host, a valid port, no query or fragment.
     Raises ValueError naming the problem (used at start-up and by the membership endpoint)."""
     parts = urlsplit(url)
+    if "@" in parts.netloc:
+        # Checked first, and the URL is not echoed: it would put the password in the message.
+        raise ValueError(
+            "a replica URL must not carry credentials (user:password@); "
+            "use PROXY_UPSTREAM_TOKEN for the replicas' bearer token"
+        )
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise ValueError(f"replica URL {url!r} is malformed: expected http(s)://host[:port]")
     try:
@@ -47,6 +55,8 @@ class Settings(BaseSettings):
         cli_prog_name="rollout-proxy",
         cli_implicit_flags=True,
         extra="ignore",
+        # Validation errors must not echo inputs: they include keys, tokens and credentials.
+        hide_input_in_errors=True,
     )
 
     replicas: Annotated[list[str], NoDecode] = Field(
@@ -149,13 +159,136 @@ class Settings(BaseSettings):
     )
     upstream_transport: Literal["aiohttp", "httpx"] = Field(
         "aiohttp",
-        description="httpx transport: aiohttp (httpx-aiohttp, measured faster) or httpx's own.",
+        description="aiohttp: completions relayed by aiohttp directly, control calls and probes "
+        "through httpx on httpx-aiohttp. httpx: httpx's own transport for everything (measured "
+        "3.4x the proxy CPU per request, bench/results/overhead.md).",
     )
     scrape_vllm_metrics: bool = Field(
         True, description="Scrape replicas' /metrics for queue depth, hit rates, block size."
     )
     log_json: bool = Field(False, description="JSON log lines (one object per line).")
     log_level: str = Field("info", description="Python log level.")
+
+    # -- security (enforced by proxy/security.py) -----------------------------------------------
+    api_keys: Annotated[list[SecretStr], NoDecode] = Field(
+        default_factory=list,
+        description="Comma-separated keys for the data plane (completions, chat, models, "
+        "server_info, other /v1/ forwards). Sent as 'Authorization: Bearer <key>' or as the "
+        "password of HTTP Basic auth (TRL: http://trl:<key>@host:port; any user name). Prefer the "
+        "environment over the CLI flag (flags show in ps).",
+    )
+    admin_keys: Annotated[list[SecretStr], NoDecode] = Field(
+        default_factory=list,
+        description="Comma-separated keys for the control plane (adapter load/unload, "
+        "pause/resume, reset_prefix_cache, /admin/*, NCCL endpoints); they work on the data "
+        "plane too. With any key set, /health and /metrics stay open and the rest needs one.",
+    )
+    allow_unauthenticated: bool = Field(
+        False,
+        description="Allow binding to a non-loopback address without any key. Without it the "
+        "proxy refuses to start there: it would relay its upstream token for anyone.",
+    )
+    adapter_roots: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Comma-separated absolute directories lora_path must lie under (checked "
+        "as strings, '..' refused). Unset: any path is passed on.",
+    )
+    max_body_bytes: int = Field(
+        16 * 1024 * 1024,
+        ge=1024,
+        description="Largest request body. 16 MiB: a 4,096-token prompt is at most ~32 KiB of "
+        "JSON (token ids up to 6 digits plus ', '), so this fits a batch of 512 full-context "
+        "prompts, or a chat turn with a few base64 images, and bounds what one request can "
+        "make the proxy buffer and parse.",
+    )
+    max_prompt_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="Longest prompt in tokens (token-id prompts, or text with PROXY_TOKENIZER). "
+        "Default: the replicas' smallest max_model_len (a longer prompt cannot be served), "
+        "else 2**20.",
+    )
+    max_batch_prompts: int = Field(
+        MAX_BATCH_PROMPTS,
+        ge=1,
+        le=MAX_BATCH_PROMPTS,
+        description=f"Most prompts in one completions request. {MAX_BATCH_PROMPTS}: the "
+        "parser's own bound (TRL sends one prompt per request; offline evaluation batches "
+        "stay far below it).",
+    )
+    max_header_bytes: int = Field(
+        16 * 1024,
+        ge=1024,
+        le=1024 * 1024,
+        description="Largest request line + headers. 16 KiB: h11's and Node's default; TRL "
+        "sends ~200 bytes and a JWT bearer token is a few KiB. Also uvicorn's "
+        "h11_max_incomplete_event_size.",
+    )
+    upstream_ca_bundle: str | None = Field(
+        None,
+        description="PEM file of the CAs that https replicas' certificates must chain to "
+        "(default: certifi's bundle, SSL_CERT_FILE honoured). TLS verification is always on "
+        "unless PROXY_UPSTREAM_INSECURE.",
+    )
+    upstream_insecure: bool = Field(
+        False,
+        description="Do not verify replicas' TLS certificates (explicit opt-out; the upstream "
+        "token then goes to whoever answers).",
+    )
+
+    @field_validator("api_keys", "admin_keys", mode="before")
+    @classmethod
+    def _parse_keys(cls, value: Any) -> Any:
+        return _split_urls(value)
+
+    @field_validator("api_keys", "admin_keys")
+    @classmethod
+    def _check_keys(cls, value: list[SecretStr]) -> list[SecretStr]:
+        # Messages never quote the key. 16 characters: a guessable key defeats constant-time
+        # comparison; secrets.token_urlsafe(32) gives 43.
+        for key in value:
+            text = key.get_secret_value()
+            if len(text) < MIN_KEY_CHARS:
+                raise ValueError(
+                    f"keys must be at least {MIN_KEY_CHARS} characters (generate one with: "
+                    "python -c 'import secrets; print(secrets.token_urlsafe(32))')"
+                )
+            if not all(33 <= ord(c) < 127 for c in text):
+                raise ValueError("keys must be printable ASCII without spaces or commas")
+        return value
+
+    @field_validator("adapter_roots", mode="before")
+    @classmethod
+    def _parse_roots(cls, value: Any) -> Any:
+        return _split_urls(value)
+
+    @field_validator("adapter_roots")
+    @classmethod
+    def _check_roots(cls, value: list[str]) -> list[str]:
+        return [normalize_root(r) for r in value]
+
+    @field_validator("upstream_ca_bundle")
+    @classmethod
+    def _check_ca_bundle(cls, value: str | None) -> str | None:
+        if value is not None and not os.path.isfile(value):
+            raise ValueError(f"CA bundle {value!r} is not a readable file")
+        return value
+
+    @model_validator(mode="after")
+    def _check_exposure(self) -> Settings:
+        if self.upstream_ca_bundle and self.upstream_insecure:
+            raise ValueError("PROXY_UPSTREAM_CA_BUNDLE and PROXY_UPSTREAM_INSECURE contradict")
+        if not (self.api_keys or self.admin_keys or self.allow_unauthenticated) and not (
+            is_loopback(self.host)
+        ):
+            raise ValueError(
+                f"refusing to listen on {self.host!r} without keys: set PROXY_API_KEYS and "
+                "PROXY_ADMIN_KEYS, or PROXY_ALLOW_UNAUTHENTICATED=true if a private network "
+                "or another gateway already restricts who can reach this port"
+            )
+        return self
+
+    # -- end of security block ----------------------------------------------------------------
 
     @field_validator("replicas", mode="before")
     @classmethod

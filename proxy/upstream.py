@@ -12,7 +12,9 @@ Failures are classified by whether the request can have reached the replica:
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Mapping
+from http.cookiejar import CookieJar, DefaultCookiePolicy
 from typing import Any
 
 import httpx
@@ -45,10 +47,32 @@ def _never_connected(exc: httpx.TransportError) -> bool:
     return False
 
 
+def _tls_failure(exc: BaseException) -> ssl.SSLError | None:
+    """The TLS error behind a failed connection, if that is what it was (both transports wrap
+    it two levels deep)."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return None
+        if isinstance(seen, ssl.SSLError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 def translate(
     exc: httpx.HTTPError, replica: int, what: str
 ) -> UpstreamUnavailable | UpstreamTimeout:
     """httpx exception -> proxy error. Messages name the replica, never headers or tokens."""
+    tls = _tls_failure(exc) if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout) else None
+    if tls is not None:
+        # The handshake failed: no request (and no token) was sent. Say why, since "unreachable"
+        # alone sends an operator looking at the network.
+        reason = getattr(tls, "verify_message", None) or getattr(tls, "reason", None) or "error"
+        return ReplicaUnreachable(
+            f"replica {replica} unreachable for {what}: TLS handshake failed ({reason}); "
+            "see PROXY_UPSTREAM_CA_BUNDLE"
+        )
     if isinstance(exc, httpx.TransportError) and _never_connected(exc):
         return ReplicaUnreachable(f"replica {replica} unreachable for {what}: {type(exc).__name__}")
     if isinstance(exc, httpx.TimeoutException):
@@ -56,15 +80,46 @@ def translate(
     return ReplicaBroken(f"replica {replica} failed during {what}: {type(exc).__name__}")
 
 
+def tls_verify(settings: Settings) -> ssl.SSLContext | bool:
+    """What every upstream client (httpx, httpx-aiohttp, the aiohttp relay) gets as ``verify``:
+    a context trusting only PROXY_UPSTREAM_CA_BUNDLE when set; otherwise httpx's default one
+    (certifi's bundle, SSL_CERT_FILE / SSL_CERT_DIR honoured), so that both transports trust the
+    same CAs; False only with the explicit PROXY_UPSTREAM_INSECURE. Never a path string
+    (deprecated in httpx 0.28). Hostname checking stays on in both contexts."""
+    if settings.upstream_insecure:
+        return False
+    if settings.upstream_ca_bundle:
+        return ssl.create_default_context(cafile=settings.upstream_ca_bundle)
+    return httpx.create_ssl_context()
+
+
 def make_transport(settings: Settings) -> httpx.AsyncBaseTransport:
     # Keep-alive pool sized for TRL's max_inflight_tasks (hundreds of concurrent rollouts)
     # across a handful of replicas; connections beyond it are opened and closed as needed.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
+    verify = tls_verify(settings)
     if settings.upstream_transport == "aiohttp":
+        import aiohttp
         from httpx_aiohttp import AiohttpTransport
 
-        return AiohttpTransport(limits=limits)
-    return httpx.AsyncHTTPTransport(limits=limits)
+        transport = AiohttpTransport(limits=limits, verify=verify)
+
+        def session() -> aiohttp.ClientSession:
+            # The session httpx-aiohttp would build (same connector arguments), except for the
+            # cookie jar: aiohttp's default one keeps cookies a replica sets (for host names,
+            # not IPs) and replays them on every later request through the shared client.
+            connector = aiohttp.TCPConnector(
+                keepalive_timeout=limits.keepalive_expiry,
+                ssl=transport.ssl_context,
+                # max_connections=None leaves aiohttp's own default (100) in place, exactly as
+                # httpx-aiohttp does.
+                limit=limits.max_connections or 100,
+            )
+            return aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
+
+        transport.client = session  # called lazily, inside the event loop
+        return transport
+    return httpx.AsyncHTTPTransport(limits=limits, verify=verify)
 
 
 class Upstream:
@@ -85,6 +140,9 @@ class Upstream:
                 pool=settings.connect_timeout_s,
             ),
             follow_redirects=False,
+            # One client serves every caller: a cookie one replica set must not ride along on
+            # later requests (another client's, or a broadcast). The jar accepts none.
+            cookies=CookieJar(policy=DefaultCookiePolicy(allowed_domains=[])),
         )
         self.probe_timeout = httpx.Timeout(settings.probe_timeout_s)
 
