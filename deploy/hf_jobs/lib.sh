@@ -319,8 +319,9 @@ start_trainer_job() {
     local -a expose=()
     if [[ "${EXPOSE_PROXY}" == "1" ]]; then
         # Listening beyond loopback is what makes the port reachable through --expose; the HF Jobs
-        # proxy in front still demands a token with read access to the namespace.
-        expose=(--expose 8000 --env PROXY_HOST=0.0.0.0)
+        # gateway in front still demands a token with read access to the namespace, which is
+        # the authentication this opt-in relies on (set PROXY_ADMIN_KEYS too for defence in depth).
+        expose=(--expose 8000 --env PROXY_HOST=0.0.0.0 --env PROXY_ALLOW_UNAUTHENTICATED=true)
     fi
     submit_job "DRYRUN-trainer" \
         --name "${RUN_NAME}-trainer" \
