@@ -4,6 +4,7 @@ grows with traffic (adapter versions, prompts, request ids never become labels).
 from __future__ import annotations
 
 import random
+import time
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -91,13 +92,15 @@ def test_counters_follow_traffic_and_broadcasts(make_fleet) -> None:
         value(m, "rollout_proxy_adapter_load_attempts_total", replica="1", result="mount_lag") == 2
     )
     assert value(m, "rollout_proxy_adapter_publish_seconds_count") == 1
-    # scraped from the replicas' own /metrics
-    assert value(m, "rollout_proxy_replica_vllm_prefix_cache_queries") > 0
-    assert value(m, "rollout_proxy_replica_vllm_prefix_cache_hits") > 0
+    # scraped from the replicas' own /metrics, in the background: wait for the next scrape
+    deadline = time.monotonic() + 10
+    while value(scrape(h), "rollout_proxy_replica_vllm_prefix_cache_hits") == 0:
+        assert time.monotonic() < deadline, "the replicas' prefix-cache counters never arrived"
+        time.sleep(0.05)
+    assert value(scrape(h), "rollout_proxy_replica_vllm_prefix_cache_queries") > 0
 
 
 def test_ejection_and_reconciliation_are_counted(make_fleet) -> None:
-    import time
 
     h = make_fleet(2)
     h.fakes[1].health_status = 500

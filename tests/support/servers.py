@@ -15,7 +15,9 @@ class ServerThread:
     """uvicorn in a daemon thread. ``url`` is valid once ``start()`` returns."""
 
     def __init__(self, app: Any, port: int = 0) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says
+        # TCP, and without it every small response waits ~40 ms for a delayed ACK (Nagle).
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", port))
         self.port = self.sock.getsockname()[1]

@@ -43,16 +43,21 @@ class Traffic:
     async def _call(
         self, client: httpx.AsyncClient, method: str, path: str, **kwargs: object
     ) -> httpx.Response:
-        """Retry only when the proxy itself cannot be reached (it is restarting)."""
-        for attempt in range(100):
+        """Retry only what a dying proxy process produces (it is restarting): refused or
+        dropped connections, and the bare "Internal Server Error" uvicorn answers for requests
+        it abandons at the end of its graceful shutdown. TRL retries both. Anything the proxy
+        itself answered (OpenAI-shaped JSON) is returned as is."""
+        deadline = time.monotonic() + 30  # a restart under load takes seconds, not minutes
+        while True:
             try:
-                return await client.request(method, path, **kwargs)  # type: ignore[arg-type]
+                r = await client.request(method, path, **kwargs)  # type: ignore[arg-type]
+                if not (r.status_code == 500 and r.text == "Internal Server Error"):
+                    return r
             except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError):
-                self.proxy_retries += 1
-                if attempt == 99:
+                if time.monotonic() > deadline:
                     raise
-                await asyncio.sleep(0.05)
-        raise AssertionError("unreachable")
+            self.proxy_retries += 1
+            await asyncio.sleep(0.05)
 
     async def sync(self, client: httpx.AsyncClient) -> None:
         """One TRL weight sync."""
