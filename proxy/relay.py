@@ -26,7 +26,7 @@ import httpx
 
 from proxy.errors import UpstreamTimeout
 from proxy.settings import Settings
-from proxy.upstream import ReplicaBroken, ReplicaUnreachable, Upstream
+from proxy.upstream import ReplicaBroken, ReplicaUnreachable, Upstream, upstream_headers
 
 # aiohttp's pool: no global cap (TRL's max_inflight_tasks decides concurrency, and a cap here
 # would queue rollouts invisibly); idle connections kept 60 s, longer than any gap between
@@ -84,9 +84,7 @@ class AiohttpRelay:
     def __init__(self, settings: Settings, verify: ssl.SSLContext | bool) -> None:
         self.settings = settings
         self.verify = verify
-        self.headers: dict[str, str] = {}
-        if settings.upstream_token is not None:
-            self.headers["authorization"] = f"Bearer {settings.upstream_token.get_secret_value()}"
+        self.headers = upstream_headers(settings)
         self.timeout = aiohttp.ClientTimeout(
             total=None,
             sock_connect=settings.connect_timeout_s,

@@ -122,14 +122,19 @@ def make_transport(settings: Settings) -> httpx.AsyncBaseTransport:
     return httpx.AsyncHTTPTransport(limits=limits, verify=verify)
 
 
+def upstream_headers(settings: Settings) -> dict[str, str]:
+    """Headers every upstream request carries: the token, and nothing of the client's."""
+    if settings.upstream_token is None:
+        return {}
+    return {"authorization": f"Bearer {settings.upstream_token.get_secret_value()}"}
+
+
 class Upstream:
     """Owns the shared ``httpx.AsyncClient`` (created in the app's lifespan)."""
 
     def __init__(self, settings: Settings, transport: httpx.AsyncBaseTransport | None = None):
         self.settings = settings
-        headers = {}
-        if settings.upstream_token is not None:
-            headers["authorization"] = f"Bearer {settings.upstream_token.get_secret_value()}"
+        headers = upstream_headers(settings)
         self.client = httpx.AsyncClient(
             transport=transport or make_transport(settings),
             headers=headers,
