@@ -168,6 +168,26 @@ class DataPlane:
             self.metrics.requests.labels(route, label, status_label(reply.status)).inc()
             if reply.status == 200 and key.tokens is not None and key.num_prompts == 1:
                 self._remember_completion(key, decision, reply.body, lora_path)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug(
+                    "request %s: %s -> replica %d, %d in %.1f ms (%s, %d blocks matched)",
+                    request_id,
+                    route,
+                    replica.index,
+                    reply.status,
+                    upstream_s * 1e3,
+                    decision.outcome,
+                    decision.matched_blocks,
+                    extra={
+                        "request_id": request_id,
+                        "route": route,
+                        "replica": replica.index,
+                        "status": reply.status,
+                        "outcome": decision.outcome,
+                        "matched_blocks": decision.matched_blocks,
+                        "upstream_ms": round(upstream_s * 1e3, 2),
+                    },
+                )
             result = Response(
                 reply.body, reply.status, _relay_headers(reply, replica.index, request_id)
             )

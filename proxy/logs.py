@@ -6,6 +6,10 @@ import json
 import logging
 import time
 
+# Structured fields a log call may attach with ``extra=``; JSON lines carry them as keys, so a
+# request can be followed by its X-Request-Id across the proxy's logs.
+FIELDS = ("request_id", "route", "replica", "status", "outcome", "matched_blocks", "upstream_ms")
+
 
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
@@ -16,6 +20,10 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
+        for field in FIELDS:
+            value = record.__dict__.get(field)
+            if value is not None:
+                entry[field] = value
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return json.dumps(entry)
