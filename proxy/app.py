@@ -92,10 +92,12 @@ def _load_tokenizer(path: str) -> Tokenizer:
             return list(hf.encode(text, add_special_tokens=True))
 
         def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-            ids = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict):  # newer transformers return a BatchEncoding
-                ids = ids["input_ids"]
-            return list(ids)
+            # return_dict pins the shape across transformers versions (5.x returns a
+            # BatchEncoding by default, 4.x a list); TRL renders prompts the same way.
+            encoded = hf.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=True
+            )
+            return list(encoded["input_ids"])
 
     return _Adapter()
 
