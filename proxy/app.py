@@ -94,7 +94,7 @@ def _load_tokenizer(path: str) -> Tokenizer:
         def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
             # return_dict pins the shape across transformers versions (5.x returns a
             # BatchEncoding by default, 4.x a list); TRL renders prompts the same way.
-            encoded = hf.apply_chat_template(
+            encoded: Any = hf.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=True, return_dict=True
             )
             return list(encoded["input_ids"])
