@@ -44,6 +44,9 @@ def main(argv: list[str] | None = None) -> None:
         # default when installed, only the middleware's 431 check applies, after parsing).
         h11_max_incomplete_event_size=settings.max_header_bytes,
         server_header=False,
+        # The proxy never uses the client address, so uvicorn need not rewrite it from
+        # X-Forwarded-For on every request (1.6% of the proxy's CPU in the profile).
+        proxy_headers=False,
     )
 
 

@@ -188,9 +188,7 @@ class DataPlane:
                         "upstream_ms": round(upstream_s * 1e3, 2),
                     },
                 )
-            result = Response(
-                reply.body, reply.status, _relay_headers(reply, replica.index, request_id)
-            )
+            result = RelayedBody(reply, replica.index, request_id)
             self.metrics.proxy_seconds.labels(route).observe(
                 time.perf_counter() - started - upstream_s
             )
@@ -236,6 +234,30 @@ class DataPlane:
         return _RelayedStream(
             reply.chunks(), reply.status, _relay_headers(reply, replica.index, request_id), finish
         )
+
+
+class RelayedBody(Response):
+    """A buffered upstream answer sent as two ASGI messages. Starlette's own ``Response``
+    builds a header object model on every request, which cost more than routing the request
+    in the profile; this is still a ``Response`` to anything that checks."""
+
+    def __init__(self, reply: Reply, replica: int, request_id: str) -> None:
+        # Deliberately not calling Response.__init__ (that is the cost being avoided).
+        self.status_code = reply.status
+        self.body = reply.body
+        self.background = None
+        raw = [
+            (name.encode("latin-1"), value.encode("latin-1"))
+            for name, value in _relay_headers(reply, replica, request_id).items()
+        ]
+        raw.append((b"content-length", str(len(reply.body)).encode()))
+        self.raw_headers = raw
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+        await send({"type": "http.response.body", "body": self.body})
 
 
 class _RelayedStream(StreamingResponse):

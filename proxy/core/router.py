@@ -124,7 +124,14 @@ class Router:
         if full and len(decision.blocks) == full:
             tail = list(key.tokens[full * bs :]) + list(completion)
             more = self.hasher.extend(decision.blocks[-1], tail, self.namespace(key, lora_path))
-            keys = None if more is None else list(decision.blocks) + more
+            if more is not None:
+                # The prompt's blocks were recorded when the request was routed; unless the
+                # index was cleared meanwhile (a pause), only its last block needs touching
+                # again, to link it to what follows.
+                if self.index.lookup(decision.blocks[-1:]):
+                    keys = [decision.blocks[-1], *more]
+                else:
+                    keys = list(decision.blocks) + more
         if keys is None:
             ns = self.namespace(key, lora_path)
             keys = self.hasher.hash_tokens(list(key.tokens) + list(completion), ns)
