@@ -3,10 +3,10 @@
 Everything is a real process, started here and stopped by process group: a tiny Qwen2 model built
 in the test (no download), two torch-backed fake vLLM replicas that really sample with the model
 plus the adapter they were told to load, ``python -m proxy`` in front of them, and ``python -m
-trainer`` (through ``trainer_support/run_trainer_cpu.py``, which applies the CPU-only TRL patches)
-with ``weight_sync_steps=1``. A first run trains 4 steps, checkpointing every 2; then the save of
-checkpoint-4 is cut short (as by a preemption) and a second run resumes from checkpoint-2 to
-step 6.
+trainer`` (through ``scripts/cpu_trainer.py``, which applies the CPU-only TRL patches, as ``make
+demo`` does) with ``weight_sync_steps=1``. A first run trains 4 steps, checkpointing every 2; then
+the save of checkpoint-4 is cut short (as by a preemption) and a second run resumes from
+checkpoint-2 to step 6.
 
 The model is taught the ``\\boxed{}`` answer format first (random digits), so rewards are mixed,
 advantages non-zero and the adapter really moves between versions: a served policy that lags,
@@ -35,6 +35,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 SUPPORT = Path(__file__).resolve().parent / "trainer_support"
+# The CPU launcher make demo uses too: TRL patched where it assumes a GPU, then `python -m trainer`.
+CPU_TRAINER = REPO / "scripts" / "cpu_trainer.py"
 CONTROL = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/pause", "/resume")
 MERGED_SYNC = (
     "/init_weight_transfer_engine",
@@ -233,13 +235,13 @@ def _train(stack: Stack, max_steps: int, name: str) -> TrainRun:
         **stack.env,
         "TRAIN_MAX_STALENESS": str(MAX_STALENESS),
         "TRAIN_VLLM_SERVER_TIMEOUT": "60",
-        "E2E_RENAME_LOG": str(stack.rename_log),
+        "CPU_TRAINER_RENAME_LOG": str(stack.rename_log),
     }
     trainer = procs.start(
         name,
         [
             sys.executable,
-            str(SUPPORT / "run_trainer_cpu.py"),
+            str(CPU_TRAINER),
             "--config",
             str(config),
             "--vllm-server-base-url",
