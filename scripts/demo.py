@@ -11,14 +11,18 @@ What it does, with a progress line per phase:
    each, ``--enable-lora --max-lora-rank 1 --max-loras max_staleness + 2``, runtime LoRA
    updating and dev mode on);
 3. starts the proxy (``python -m proxy``) in front of them;
-4. runs the trainer (TRL's AsyncGRPOTrainer through ``python -m trainer``) for a handful of steps
+4. runs the trainer (TRL's AsyncGRPOTrainer through ``python -m trainer``, launched by
+   ``scripts/cpu_trainer.py``, which patches TRL where it assumes a GPU) for a handful of steps
    against the proxy, syncing an adapter every step;
 5. prints a summary: steps, adapter versions published and loaded on each replica, rollouts per
    replica, prefix-affinity / unmatched / spilled decisions, vLLM's own prefix-cache hits, and
    adapter sync times.
 
 Every process it starts runs in its own process group and is stopped - by group - when the demo
-ends, fails, or is interrupted (Ctrl-C, SIGTERM). Logs stay in ``<work>/logs``.
+ends, fails, or is interrupted (Ctrl-C, SIGTERM, SIGHUP). Each also carries this run's id in its
+environment (``ROLLOUT_PROXY_DEMO_RUN``), inherited by whatever it forks; at exit the demo looks
+for that id in ``/proc`` and kills any process still carrying it, so "nothing left behind" is
+checked, not assumed. Logs stay in ``<work>/logs``.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -42,8 +47,8 @@ import vllm_replicas as vr  # sibling module: scripts/ is not a package
 
 REPO_ROOT = vr.REPO_ROOT
 # The trainer needs TRL patched to run on a CPU-only machine (no FlashAttention, no CUDA queries);
-# the e2e test's launcher applies exactly those patches and then runs `python -m trainer`.
-TRAINER_CPU_LAUNCHER = REPO_ROOT / "tests" / "e2e" / "trainer_support" / "run_trainer_cpu.py"
+# scripts/cpu_trainer.py applies exactly those patches and then runs `python -m trainer`.
+TRAINER_CPU_LAUNCHER = Path(__file__).resolve().parent / "cpu_trainer.py"
 # The recipe's staleness; vLLM needs max_staleness + 2 adapter slots (TRL checks it at start-up),
 # which is the recipe's --max-loras 6.
 MAX_STALENESS = 4
@@ -53,6 +58,15 @@ COMPLETIONS_PER_STEP = 8
 MAX_COMPLETION_LENGTH = 24
 # Same pre-training as the trainer's e2e test: enough for the model to emit \boxed{digit} often.
 PRETRAIN_STEPS = 60
+# Seconds a stopped child gets between SIGTERM and SIGKILL of its group. The proxy exits in well
+# under a second; the trainer (TRL, torch) in a few; 15 s matches the replicas' grace period.
+STOP_GRACE_S = 15.0
+# Marks every process of one demo run (see the module docstring).
+RUN_ENV = "ROLLOUT_PROXY_DEMO_RUN"
+# Seconds between "still ..." lines while a phase runs silently: often enough that a run never
+# looks hung, rarely enough to stay readable; the period of the replicas' start-up notes
+# (vllm_replicas.wait_ready). The model build took 7-26 s on the shared 2-core machine.
+PROGRESS_EVERY_S = 10.0
 T0 = time.monotonic()
 
 
@@ -93,14 +107,66 @@ def process(
         try:
             yield proc
         finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=5)
+            stop_group(proc)
+
+
+def stop_group(proc: subprocess.Popen[bytes], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM ``proc``'s process group, SIGKILL what is left of it after ``grace_s``. Waits for the
+    whole group, not just the leader: a leader that exits first can leave children behind (TRL's
+    rollout worker, uvicorn's)."""
+    pgid = proc.pid  # start_new_session: the child leads its own group
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while vr.group_alive(pgid) and time.monotonic() < deadline:
+        # Reaping the leader as soon as it exits keeps it from counting as a live member.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=0.1)
+    if vr.group_alive(pgid):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)
+        # SIGKILL is delivered asynchronously: return only once the group is really gone.
+        deadline = time.monotonic() + 5
+        while vr.group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=5)
+
+
+def marked_processes(run_id: str) -> list[int]:
+    """PIDs of live processes whose environment carries ``RUN_ENV=run_id`` (this run's)."""
+    needle = f"{RUN_ENV}={run_id}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:  # gone, or not ours to read (then not ours at all)
+            continue
+        if needle in environ.split(b"\0") and not vr.is_zombie(int(entry.name)):
+            found.append(int(entry.name))
+    return found
+
+
+def kill_leftovers(run_id: str) -> list[int]:
+    """SIGKILL every live process still marked with ``run_id``; returns their PIDs (normally
+    none: each child's group was already stopped)."""
+    leftovers = marked_processes(run_id)
+    for pid in leftovers:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return leftovers
+
+
+def wait_with_progress(proc: subprocess.Popen[bytes], what: str) -> None:
+    """Wait for ``proc`` to exit, saying every ``PROGRESS_EVERY_S`` that it is still running."""
+    started = next_note = time.monotonic()
+    while proc.poll() is None:
+        time.sleep(0.2)
+        if time.monotonic() - next_note >= PROGRESS_EVERY_S:
+            next_note = time.monotonic()
+            say(f"  still {what} ({next_note - started:.0f} s)")
 
 
 def log_tail(log_dir: Path, name: str, lines: int = 30) -> str:
@@ -218,7 +284,7 @@ def summary(
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, run_id: str) -> int:
     work: Path = args.work.resolve()
     logs = work / "logs"
     work.mkdir(parents=True, exist_ok=True)
@@ -231,6 +297,7 @@ def run(args: argparse.Namespace) -> int:
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONUNBUFFERED": "1",
         "TRL_EXPERIMENTAL_SILENCE": "1",
+        RUN_ENV: run_id,
     }
     for key in [k for k in env if k.startswith(("PROXY_", "TRAIN_"))]:
         env.pop(key)
@@ -239,17 +306,13 @@ def run(args: argparse.Namespace) -> int:
     model = work / "tiny-qwen2"
     t = time.monotonic()
     say(f"building the tiny Qwen2 model + tokenizer in {model} (no download)")
-    build = subprocess.run(
-        [sys.executable, "-m", "trainer.tiny_model", "--out", str(model)]
-        + ["--pretrain-steps", str(PRETRAIN_STEPS)],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        check=False,
-    )
+    build_argv = [sys.executable, "-m", "trainer.tiny_model", "--out", str(model)]
+    build_argv += ["--pretrain-steps", str(PRETRAIN_STEPS)]
+    with process("tiny_model", build_argv, logs, env) as build:
+        wait_with_progress(build, "building the model")
     if build.returncode != 0:
-        print(build.stderr.decode(errors="replace")[-3000:], file=sys.stderr)
-        raise RuntimeError("building the tiny model failed")
+        print(log_tail(logs, "tiny_model", 40), file=sys.stderr)
+        raise RuntimeError(f"building the tiny model failed (status {build.returncode})")
     dataset = work / "prompts.jsonl"
     write_dataset(dataset)
     timings["model"] = time.monotonic() - t
@@ -260,6 +323,7 @@ def run(args: argparse.Namespace) -> int:
         max_lora_rank=1,
         max_loras=max_loras,
         max_model_len=512,
+        extra_env={RUN_ENV: run_id},
     )
     t = time.monotonic()
     say(f"starting 2 vLLM CPU replicas (--max-loras {max_loras}); ~1 min, logs in {logs}")
@@ -337,7 +401,6 @@ def run(args: argparse.Namespace) -> int:
             train_s = time.monotonic() - t
             timings["training"] = train_s
             print(summary(proxy_url, urls, out_dir, train_s, timings))
-    say("stopped every process the demo started")
     return 0
 
 
@@ -378,15 +441,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, on_signal)
+    run_id = uuid.uuid4().hex
     try:
-        return run(args)
+        return run(args, run_id)
     except KeyboardInterrupt:
-        say("interrupted; every process the demo started has been stopped")
+        say("interrupted")
         return 130
     except (RuntimeError, vr.ReplicaError) as exc:
         say(f"failed: {exc}")
-        say("every process the demo started has been stopped")
         return 1
+    finally:
+        # Each child's group has been stopped by now; this catches anything that left its group.
+        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(signum, signal.SIG_IGN)
+        leftovers = kill_leftovers(run_id)
+        if leftovers:
+            say(f"killed {len(leftovers)} process(es) that outlived their group: {leftovers}")
+        else:
+            say("checked: no process started by the demo is left")
 
 
 if __name__ == "__main__":

@@ -345,15 +345,15 @@ class Replica:
             # replica stopped 20 s into start-up was still there after 15 s), and there is no
             # state worth a graceful exit yet.
             grace_s = min(grace_s, STARTING_STOP_GRACE_S)
-        if _group_alive(pgid):
+        if group_alive(pgid):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGTERM)
             deadline = time.monotonic() + grace_s
-            while _group_alive(pgid) and time.monotonic() < deadline:
+            while group_alive(pgid) and time.monotonic() < deadline:
                 # Reap the leader as soon as it exits so it does not linger as a zombie member.
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=0.1)
-            if _group_alive(pgid):
+            if group_alive(pgid):
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(pgid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
@@ -363,7 +363,8 @@ class Replica:
             self._log_file = None
 
 
-def _group_alive(pgid: int) -> bool:
+def group_alive(pgid: int) -> bool:
+    """Whether any non-zombie process is left in process group ``pgid``."""
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
@@ -371,10 +372,11 @@ def _group_alive(pgid: int) -> bool:
     except PermissionError:
         return True
     # A zombie leader still counts for killpg; members that are all zombies are gone for our needs.
-    return any(not _is_zombie(pid) for pid in process_group_members(pgid))
+    return any(not is_zombie(pid) for pid in process_group_members(pgid))
 
 
-def _is_zombie(pid: int) -> bool:
+def is_zombie(pid: int) -> bool:
+    """True for a zombie (exited, not yet reaped) or a pid that no longer exists."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
