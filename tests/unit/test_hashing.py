@@ -7,9 +7,9 @@ import json
 import pytest
 
 from proxy.core.hashing import FastHasher, Namespace, VllmHasher, event_hash, make_hasher
-from tests.conftest import SHARED
+from tests.conftest import VLLM_VECTORS
 
-VECTORS = json.loads((SHARED / "vectors" / "vllm_block_hashes.json").read_text())["cases"]
+VECTORS = json.loads(VLLM_VECTORS.read_text())["cases"]
 
 
 def _namespace(case: dict) -> Namespace:
