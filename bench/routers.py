@@ -57,40 +57,7 @@ class RouterSpec:
         exe = find_tool(self.tool)
         if exe is None:
             raise RuntimeError(self.unavailable() or self.tool)
-        if self.tool == "vllm-router":
-            return [
-                exe,
-                "--worker-urls",
-                *replica_urls,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--policy",
-                "cache_aware",
-                "--prometheus-host",
-                "127.0.0.1",
-                "--prometheus-port",
-                str(free_port()),
-            ]
-        if self.tool == "sglang-router":
-            return [
-                exe,
-                "launch",
-                "--worker-urls",
-                *replica_urls,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--policy",
-                "cache_aware",
-                "--prometheus-host",
-                "127.0.0.1",
-                "--prometheus-port",
-                str(free_port()),
-            ]
-        raise ValueError(f"no launch recipe for {self.tool!r}")
+        return rust_router_argv(self.tool, exe, replica_urls, port)
 
 
 ROUTERS: dict[str, RouterSpec] = {
@@ -117,3 +84,27 @@ def select(names: Sequence[str]) -> list[RouterSpec]:
     if unknown:
         raise ValueError(f"unknown router(s) {unknown}; known: {sorted(ROUTERS)}")
     return [ROUTERS[n] for n in names]
+
+
+def rust_router_argv(tool: str, exe: str, replica_urls: Sequence[str], port: int) -> list[str]:
+    """Command line of vllm-router or sglang-router in cache-aware mode on 127.0.0.1 (the
+    routing and the overhead benchmarks start them the same way)."""
+    launch = ["launch"] if tool == "sglang-router" else []
+    if tool not in ("vllm-router", "sglang-router"):
+        raise ValueError(f"unknown router {tool!r}")
+    return [
+        exe,
+        *launch,
+        "--worker-urls",
+        *replica_urls,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--policy",
+        "cache_aware",
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(free_port()),
+    ]

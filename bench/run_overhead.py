@@ -42,6 +42,7 @@ from bench.procs import (
     wait_http,
 )
 from bench.report import fmt, table
+from bench.routers import rust_router_argv
 
 DEFAULT_OUT = REPO / "bench" / "results"
 MODEL = "Qwen/Qwen2.5-Math-1.5B"
@@ -357,44 +358,10 @@ def _launch(
     if target.kind == "proxy":
         argv = [sys.executable, "-m", "proxy", "--replicas", ",".join(urls), "--port", str(port)]
         proc = stack.enter_context(managed(target.name, argv, log, target.env))
-    elif target.kind == "vllm-router":
-        exe = find_tool("vllm-router")
+    elif target.kind in ("vllm-router", "sglang-router"):
+        exe = find_tool(target.kind)
         assert exe is not None
-        argv = [
-            exe,
-            "--worker-urls",
-            *urls,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--policy",
-            "cache_aware",
-            "--prometheus-host",
-            "127.0.0.1",
-            "--prometheus-port",
-            str(free_port()),
-        ]
-        proc = stack.enter_context(managed(target.name, argv, log))
-    elif target.kind == "sglang-router":
-        exe = find_tool("sglang-router")
-        assert exe is not None
-        argv = [
-            exe,
-            "launch",
-            "--worker-urls",
-            *urls,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--policy",
-            "cache_aware",
-            "--prometheus-host",
-            "127.0.0.1",
-            "--prometheus-port",
-            str(free_port()),
-        ]
+        argv = rust_router_argv(target.kind, exe, urls, port)
         proc = stack.enter_context(managed(target.name, argv, log))
     elif target.kind == "py-floor":
         argv = [
