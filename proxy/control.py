@@ -154,16 +154,23 @@ class ControlPlane:
             )
         return targets
 
+    def note_failure(self, replica: Replica, reason: str) -> None:
+        """A probe, observation or call failed: count it, and account for an ejection once
+        (the one place the fleet's failure bookkeeping meets metrics and logs)."""
+        if self.fleet.record_failure(replica.index, reason):
+            self.metrics.ejections.labels(str(replica.index)).inc()
+            log.warning("replica %d ejected: %s", replica.index, reason)
+        if replica.status is not Status.READY:
+            self.metrics.replica_healthy.labels(str(replica.index)).set(0)
+
     def eject(self, replica: Replica, reason: str) -> None:
+        """Eject at once, whatever the probe threshold (the replica refused or timed out)."""
         if replica.status in (Status.READY, Status.RECONCILING, Status.PENDING, Status.DRAINING):
             replica.failures = max(replica.failures, self.fleet.eject_after)
             if replica.status is Status.DRAINING:
                 replica.last_error = reason
                 return
-            self.fleet.record_failure(replica.index, reason)
-            self.metrics.ejections.labels(str(replica.index)).inc()
-            self.metrics.replica_healthy.labels(str(replica.index)).set(0)
-            log.warning("replica %d ejected: %s", replica.index, reason)
+            self.note_failure(replica, reason)
 
     def _record(self, endpoint: str, outcomes: list[Outcome]) -> None:
         for o in outcomes:

@@ -153,13 +153,9 @@ class HealthMonitor:
     async def check(self, replica: Replica, *, wait_for_lock: bool = False) -> None:
         if replica.status is Status.REMOVED:
             return
-        label = str(replica.index)
         problem = await self.probe_health(replica)
         if problem is not None:
-            if self.fleet.record_failure(replica.index, problem):
-                self.metrics.ejections.labels(label).inc()
-                log.warning("replica %d ejected: %s", replica.index, problem)
-            self.metrics.replica_healthy.labels(label).set(0)
+            self.control.note_failure(replica, problem)
             return
         await self.scrape(replica)
         if wait_for_lock:
@@ -190,8 +186,7 @@ class HealthMonitor:
         try:
             await self.observe(replica)
         except (ProxyError, ValueError) as exc:
-            if self.fleet.record_failure(replica.index, f"observe failed: {exc}"):
-                self.metrics.ejections.labels(label).inc()
+            self.control.note_failure(replica, f"observe failed: {exc}")
             return
         if replica.status is not Status.RECONCILING:
             return
@@ -199,7 +194,7 @@ class HealthMonitor:
         try:
             await self.observe(replica)
         except (ProxyError, ValueError) as exc:
-            self.fleet.record_failure(replica.index, f"observe failed: {exc}")
+            self.control.note_failure(replica, f"observe failed: {exc}")
             self.metrics.reconciliations.labels(label, "failed").inc()
             return
         if self.fleet.plan(replica).empty:
