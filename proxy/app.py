@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from proxy.control import ControlPlane, Reply
-from proxy.core.extract import RoutingKey, Tokenizer, extract_chat, extract_completion
+from proxy.core.extract import Tokenizer
 from proxy.core.fleet import Fleet, Status
 from proxy.core.hashing import make_hasher
 from proxy.core.policy import make_policy
@@ -30,7 +30,7 @@ from proxy.core.router import Router
 from proxy.dataplane import DataPlane
 from proxy.errors import InvalidRequest, NotSupported, ProxyError, UpstreamUnavailable
 from proxy.health import HealthMonitor
-from proxy.hotpath import HotPath, parse_json, request_id
+from proxy.hotpath import EXTRACTORS, HotPath, parse_json, request_id
 from proxy.membership import Membership, describe
 from proxy.metrics import Metrics, status_label
 from proxy.probes import Probes
@@ -213,14 +213,23 @@ def create_app(
     # Error messages echo replicas' own error text; a replica (or a gateway in front of it)
     # could quote the token back, so every error body is redacted on its way out.
     echo_secrets = tuple(settings_secrets(settings))
+
     # The hot routes skip FastAPI's own stack (proxy/hotpath.py). Added before the security
     # middleware, so that security stays outermost and guards them too.
+    async def handle(
+        route: str, path: str, raw: bytes, headers: list[tuple[bytes, bytes]], started: float
+    ) -> Response:
+        """Parse, check and route one completion: shared by the hot path and the declared
+        routes below, so both behave the same."""
+        body = parse_json(raw)
+        key = EXTRACTORS[route](body, rt.tokenizer)
+        limits.check(body, key)
+        return await rt.data.forward(route, path, raw, key, request_id(headers), started)
+
     app.add_middleware(
         HotPath,
-        forward=rt.data.forward,
+        handle=handle,
         metrics=rt.metrics,
-        tokenizer=lambda: rt.tokenizer,
-        check=limits.check,
         render_error=lambda exc: redact(exc.to_body(), echo_secrets),
     )
     app.add_middleware(SecurityMiddleware, guard=Guard.from_settings(settings), on_reject=_rejected)
@@ -254,23 +263,19 @@ def create_app(
 
     # -- data plane -------------------------------------------------------------------------
 
-    async def _routed(request: Request, route: str, path: str, chat: bool) -> Response:
+    # Declared for the OpenAPI schema; requests to them are served by HotPath before FastAPI
+    # sees them, and would behave the same here.
+    async def _routed(request: Request, route: str, path: str) -> Response:
         started = time.perf_counter()
-        raw = await request.body()
-        body = parse_json(raw)
-        key: RoutingKey = (extract_chat if chat else extract_completion)(body, rt.tokenizer)
-        limits.check(body, key)
-        return await rt.data.forward(
-            route, path, raw, key, request_id(request.scope["headers"]), started
-        )
+        return await handle(route, path, await request.body(), request.scope["headers"], started)
 
     @app.post("/v1/completions", openapi_extra=COMPLETION_BODY)
     async def completions(request: Request) -> Response:
-        return await _routed(request, "completions", "/v1/completions", chat=False)
+        return await _routed(request, "completions", "/v1/completions")
 
     @app.post("/v1/chat/completions", openapi_extra=CHAT_BODY)
     async def chat_completions(request: Request) -> Response:
-        return await _routed(request, "chat_completions", "/v1/chat/completions", chat=True)
+        return await _routed(request, "chat_completions", "/v1/chat/completions")
 
     # -- probes -----------------------------------------------------------------------------
 

@@ -33,12 +33,13 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-Forward = Callable[[str, str, bytes, RoutingKey, str, float], Awaitable[ASGIApp]]
-Check = Callable[[Any, RoutingKey], None]
+# (route, path, raw body, raw headers, start time) -> the response: parse, route and relay.
+Handle = Callable[[str, str, bytes, list[tuple[bytes, bytes]], float], Awaitable[ASGIApp]]
 
-HOT_ROUTES = {
-    "/v1/completions": ("completions", extract_completion),
-    "/v1/chat/completions": ("chat_completions", extract_chat),
+HOT_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
+EXTRACTORS: dict[str, Callable[[Any, Tokenizer | None], RoutingKey]] = {
+    "completions": extract_completion,
+    "chat_completions": extract_chat,
 }
 
 
@@ -71,24 +72,20 @@ class HotPath:
     def __init__(
         self,
         app: ASGIApp,
-        forward: Forward,
+        handle: Handle,
         metrics: Metrics,
-        tokenizer: Callable[[], Tokenizer | None],
-        check: Check | None = None,
         render_error: Callable[[ProxyError], dict[str, Any]] | None = None,
     ) -> None:
         self.app = app
-        self.forward = forward
+        self.handle = handle
         self.metrics = metrics
-        self.tokenizer = tokenizer
-        self.check = check
         self.render_error = render_error or (lambda exc: exc.to_body())
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
-            hot = HOT_ROUTES.get(scope["path"])
-            if hot is not None:
-                await self._serve(scope, receive, send, *hot)
+            route = HOT_ROUTES.get(scope["path"])
+            if route is not None:
+                await self._serve(scope, receive, send, route)
                 return
         await self.app(scope, receive, send)
 
@@ -98,7 +95,6 @@ class HotPath:
         receive: Receive,
         send: Send,
         route: str,
-        extract: Callable[[Any, Tokenizer | None], RoutingKey],
     ) -> None:
         started = time.perf_counter()
         try:
@@ -111,13 +107,7 @@ class HotPath:
                 if not message.get("more_body", False):
                     break
             raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-            body = parse_json(raw)
-            key = extract(body, self.tokenizer())
-            if self.check is not None:
-                self.check(body, key)
-            response = await self.forward(
-                route, scope["path"], raw, key, request_id(scope["headers"]), started
-            )
+            response = await self.handle(route, scope["path"], raw, scope["headers"], started)
         except ProxyError as exc:
             self.metrics.requests.labels(route, "none", status_label(exc.status_code)).inc()
             response = JSONResponse(self.render_error(exc), exc.status_code)
