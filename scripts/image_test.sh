@@ -115,6 +115,8 @@ if [[ -f $ca ]]; then
     trust=(-v "$CACHE/pip.conf:/etc/pip.conf:ro" -v "$ca:/etc/ssl/certs/build-host-ca.crt:ro")
 fi
 
+# The image this tag named before, removed once the new build has the tag (kept if still used).
+previous=$(podman image inspect --format '{{.Id}}' "$IMAGE" 2>/dev/null || true)
 build_started=$(date +%s)
 say "building $IMAGE from $(pwd) on $BASE"
 # --format docker: the OCI image format has no HEALTHCHECK; Docker's keeps it. --network host:
@@ -125,6 +127,10 @@ podman build --layers=false --format docker --network host "${trust[@]}" \
     say "build failed; full log: $CACHE/build.log"
     exit 1
 }
+current=$(podman image inspect --format '{{.Id}}' "$IMAGE")
+if [[ -n $previous && $previous != "$current" ]]; then
+    podman rmi "$previous" >/dev/null 2>&1 || true
+fi
 size=$(podman image inspect --format '{{.Size}}' "$IMAGE")
 base_size=$(podman image inspect --format '{{.Size}}' "$BASE")
 say "built in $(($(date +%s) - build_started))s: $IMAGE $((size / 1000000)) MB" \
