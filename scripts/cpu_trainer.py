@@ -16,6 +16,17 @@ What TRL's AsyncGRPOTrainer needs on a CPU-only machine without vLLM installed:
   and a download): replaced by ``varlen_attention``, a plain-torch implementation of the same
   ``flash_attn_varlen_func`` contract.
 
+And what accelerate needs for the recipe's FSDP2 launch (``accelerate launch --config_file
+deploy/accelerate/fsdp2.yaml --num_processes 2``) on CPU:
+
+- accelerate 1.15 turns an FSDP launch into ``DistributedType.FSDP`` only for GPU-class device
+  types (``AcceleratorState.__init__``'s list: MULTI_GPU, MULTI_XPU, ...); on CPU the processes
+  join over gloo as ``MULTI_CPU`` and the FSDP plugin is dropped, so training silently runs as
+  plain data parallel with full replicas and full checkpoints. torch 2.13's FSDP2
+  (``fully_shard``, DTensor, reduce-scatter and all-gather over gloo) works on CPU, so the state
+  is switched to FSDP with the plugin accelerate built from the launch config - exactly what the
+  GPU branch does (``distributed_type = FSDP; fsdp_plugin = fsdp_plugin``).
+
 Environment: ``CPU_TRAINER_RENAME_LOG=PATH`` appends one JSON line per ``os.rename`` call of the
 trainer process to PATH, so a test can show adapters are published by an atomic rename.
 """
@@ -123,6 +134,22 @@ def record_renames(log_path: str | os.PathLike[str]) -> None:
     os.rename = rename
 
 
+def enable_fsdp_on_cpu() -> None:
+    """Let an FSDP launch on CPU (gloo) become FSDP, as it does on GPUs (see the module doc)."""
+    from accelerate.state import AcceleratorState  # type: ignore[import-untyped]
+    from accelerate.utils import DistributedType  # type: ignore[import-untyped]
+
+    real_init = AcceleratorState.__init__
+
+    def init(self: Any, *args: Any, fsdp_plugin: Any = None, **kwargs: Any) -> None:
+        real_init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type = DistributedType.FSDP
+            self.fsdp_plugin = fsdp_plugin
+
+    AcceleratorState.__init__ = init
+
+
 def _require(module: ModuleType, name: str, missing: list[str]) -> None:
     if not hasattr(module, name):
         missing.append(f"{module.__name__}.{name}")
@@ -147,6 +174,7 @@ def apply(rename_log: str | os.PathLike[str] | None = None) -> None:
     async_rollout_worker.is_vllm_available = lambda *a, **k: True
     async_grpo_trainer.get_peak_flops_per_device = lambda *a, **k: None
     packing._flash_attn = lambda: SimpleNamespace(flash_attn_varlen_func=varlen_attention)
+    enable_fsdp_on_cpu()
     if rename_log:
         record_renames(rename_log)
 

@@ -184,6 +184,25 @@ def _requirements(recipe: Recipe, first_version: int) -> Requirements:
     )
 
 
+def launched_processes() -> int:
+    """How many processes the launcher (torchrun, ``accelerate launch``) started: WORLD_SIZE."""
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def check_world(num_processes: int, launched: int) -> None:
+    """Refuse to train when the launcher started more processes than joined one run: each
+    would be a trainer of its own against the same proxy and output directory."""
+    if launched > 1 and num_processes != launched:
+        raise ConfigError(
+            f"launched as {launched} processes (WORLD_SIZE) but accelerate set up a run of "
+            f"{num_processes}: every process would train alone, each publishing its own adapters. "
+            "Check the accelerate config (distributed_type, use_cpu) for this machine"
+        )
+
+
 def run(loaded: LoadedConfig) -> None:
     """Train per ``loaded.recipe``. Raises ``ConfigError``/``PreflightError``/``DataError`` for
     problems the user can fix; anything else is a bug or an infrastructure failure."""
@@ -194,7 +213,13 @@ def run(loaded: LoadedConfig) -> None:
     from accelerate import PartialState  # type: ignore[import-untyped]
     from accelerate.utils import broadcast_object_list  # type: ignore[import-untyped]
 
-    state = PartialState()
+    # A CPU-only host must say so to accelerate: without `cpu=True`, a process started by
+    # `accelerate launch --num_processes N` (torchrun) finds no GPU backend and falls back to
+    # "not distributed", so every rank trains alone as a world of one - N preflights, N sweeps,
+    # N identical adapter loads (the second a 400) - instead of one run over gloo.
+    cpu = not torch.accelerator.is_available()
+    state = PartialState(cpu=cpu)
+    check_world(state.num_processes, launched_processes())
     if not state.is_main_process:
         logger.setLevel(logging.WARNING)  # one copy of the run log, from rank 0
     grad_accum = recipe.effective_gradient_accumulation(state.num_processes)
@@ -258,6 +283,9 @@ def run(loaded: LoadedConfig) -> None:
     cuda = torch.cuda.is_available()
     args = AsyncGRPOConfig(
         output_dir=recipe.output_dir,
+        # transformers rebuilds accelerate's state from these arguments: without it, the
+        # multi-process CPU state set up above would be replaced by a non-distributed one.
+        use_cpu=cpu,
         seed=recipe.seed,
         bf16=recipe.use_bf16(cuda),
         dtype=recipe.dtype,

@@ -15,7 +15,9 @@ from trainer.recipe import Recipe
 from trainer.run import (
     CHATML_RESPONSE_TEMPLATE,
     _metrics_callback,
+    check_world,
     ensure_response_template,
+    launched_processes,
     resolve_checkpoint,
 )
 
@@ -129,3 +131,33 @@ def test_cli_stops_with_the_preflight_reason_when_the_proxy_is_down(
     err = capsys.readouterr().err
     assert err.startswith(f"rollout-train: cannot reach the rollout proxy at {url}")
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("num_processes", "launched", "refused"),
+    [
+        (1, 1, False),  # python -m trainer
+        (2, 2, False),  # accelerate launch --num_processes 2, joined into one run
+        (1, 2, True),  # each of 2 launched processes alone (accelerate's CPU fallback)
+        (4, 2, True),
+    ],
+)
+def test_a_launch_whose_processes_did_not_join_one_run_is_refused(
+    num_processes: int, launched: int, refused: bool
+) -> None:
+    if refused:
+        with pytest.raises(ConfigError, match=f"launched as {launched} processes"):
+            check_world(num_processes, launched)
+    else:
+        check_world(num_processes, launched)
+
+
+@pytest.mark.parametrize(("value", "expected"), [(None, 1), ("2", 2), ("0", 1), ("x", 1)])
+def test_launched_processes_reads_world_size(
+    monkeypatch: pytest.MonkeyPatch, value: str | None, expected: int
+) -> None:
+    if value is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", value)
+    assert launched_processes() == expected
