@@ -12,7 +12,10 @@
 
 # The CUDA base only has to provide a userspace that the host driver accepts: the torch wheel
 # installed below (PyPI's default linux x86_64 build) brings its own CUDA runtime libraries.
-# Pick a tag no newer than what your GPU driver supports (`nvidia-smi` prints the ceiling).
+# Pick a tag no newer than what your GPU driver supports (`nvidia-smi` prints the ceiling). Note
+# that the driver must also take the wheel's own runtime: PyPI's torch 2.13.0 pulls the CUDA 13
+# libraries (nvidia-cuda-runtime 13.0, cudnn-cu13; seen in a build of this file), whatever the
+# base image's CUDA version.
 ARG CUDA_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
 
 FROM ${CUDA_IMAGE} AS build
