@@ -154,7 +154,7 @@ def _same_tensors(published: dict[str, Any], trained: dict[str, Any]) -> None:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with running_stack(tmp_path_factory.mktemp("trainer_fsdp")) as made:
+    with running_stack(tmp_path_factory) as made:
         yield made
 
 
