@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
             failing.append(seed)
             violations += len(result.violations)
         done = seed - seeds[0] + 1
-        if args.seed is None and done % 500 == 0:  # progress for long runs
+        if args.seed is None and done % 100 == 0:  # progress for long runs
             print(f"... {done} seeds, {violations} violations so far", flush=True)
     elapsed = time.perf_counter() - started
     count = len(seeds)

@@ -77,6 +77,10 @@ class SimReplica:
     def mount_lags(self, now: float) -> bool:
         return any(t > now for t in self.readable_at.values())
 
+    def mount_caught_up_at(self, now: float) -> float:
+        """When the mount last caught up (an adapter became readable): a fault ending."""
+        return max((t for t in self.readable_at.values() if t <= now), default=0.0)
+
     # -- serving --------------------------------------------------------------------------------
 
     async def handle(self, method: str, path: str, query: str, body: Any) -> httpx.Response:

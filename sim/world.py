@@ -416,7 +416,11 @@ class World:
         for replica in self.replicas:
             if self._unhealthy(replica):
                 continue
-            since = max(self.healthy_since[replica.index], self.desired_changed_at)
+            since = max(
+                self.healthy_since[replica.index],
+                self.desired_changed_at,
+                replica.mount_caught_up_at(now),
+            )
             if now - since < I3_WINDOW_S:
                 continue
             proxy_view = fleet.replicas[replica.index]
