@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
 
-    logs = args.out / "logs"
+    logs = args.out / "tmp"  # process logs (ignored by git)
     with managed(
         "replicas",
         [sys.executable, "-m", "bench.simulator", "--replicas", str(args.replicas)],
