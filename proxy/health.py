@@ -1,14 +1,16 @@
-"""Background probes and reconciliation.
+"""Background probes, observation and reconciliation (the health loop).
 
-Every ``health_interval_s`` each member replica is probed (``/health``; then, under the control
-lock, ``/v1/models`` and ``/is_paused``). A failing probe counts towards ejection; a replica that
-answers again, or that lost an adapter it should hold (it restarted between probes), is
-reconciled -- missing adapters loaded with the path each was published with, stale ones unloaded,
-pause state re-applied -- and only then is READY for traffic again.
+Every ``health_interval_s`` each member replica is probed (``/health``) and observed
+(``/v1/models``, ``/is_paused``, ``/metrics``), all of them in parallel and without any lock: a
+control call never waits for a probe. A failing probe counts towards ejection; a replica that
+answers again, or that lost an adapter it should hold (it restarted between probes), is handed to
+the reconciler (``proxy.reconciler``) -- missing adapters loaded with the path each was published
+with, stale ones unloaded, pause state re-applied -- and only then is READY for traffic again.
 
-Observations that *shrink* what a replica may serve (ejection, a lost adapter) apply at once.
-Observations that *grow* it (READY again) are taken only under the control-plane lock, so a probe
-can never see a half-done broadcast and undo it.
+Observed state is known or unknown, never guessed: ``/is_paused`` missing (a vLLM without dev
+mode), timing out or answering nonsense leaves the pause state as the last successful apply set
+it. An observation that overlapped a control call or reconciliation step on the same replica
+(``Replica.generation`` moved) is discarded rather than allowed to undo it.
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ class HealthMonitor:
         self.upstream = upstream
         self.metrics = metrics
         self._task: asyncio.Task[None] | None = None
-        self._reconciling: dict[int, asyncio.Task[None]] = {}
+        self._reconciling: dict[int, asyncio.Task[Any]] = {}
 
     # -- probes -----------------------------------------------------------------------------
 
@@ -113,18 +115,32 @@ class HealthMonitor:
             return f"/health answered {response.status_code}"
         return None
 
-    async def observe(self, replica: Replica) -> None:
-        """Refresh a replica's adapters and pause state (caller holds the control lock)."""
-        response = await self._get(replica, "/v1/models")
-        if response.status_code != 200:
-            raise ValueError(f"/v1/models answered {response.status_code}")
-        base, max_len, adapters = parse_models(response.json())
-        paused = False
-        pr = await self._get(replica, "/is_paused")
-        if pr.status_code == 200:
-            paused = bool(pr.json().get("is_paused", False))
-        replica.paused = paused
-        self.fleet.record_models(replica.index, base, max_len, adapters)
+    async def read_paused(self, replica: Replica) -> bool | None:
+        """The replica's pause state, or None when it cannot be known: no /is_paused (404 without
+        dev mode), a timeout, an error status or an answer that is not {"is_paused": bool}."""
+        try:
+            response = await self._get(replica, "/is_paused")
+            if response.status_code != 200:
+                return None
+            value = response.json().get("is_paused")
+        except (ProxyError, ValueError, AttributeError):
+            return None
+        return value if isinstance(value, bool) else None
+
+    async def observe(self, replica: Replica) -> bool:
+        """Refresh a replica's adapters and pause state, without locks. False when the
+        observation overlapped a call that changed the replica (stale: nothing recorded)."""
+        generation = replica.generation
+        models, paused = await asyncio.gather(
+            self._get(replica, "/v1/models"), self.read_paused(replica)
+        )
+        if models.status_code != 200:
+            raise ValueError(f"/v1/models answered {models.status_code}")
+        base, max_len, adapters = parse_models(models.json())
+        if replica.generation != generation:
+            return False
+        self.fleet.record_models(replica.index, base, max_len, adapters, paused)
+        return True
 
     async def scrape(self, replica: Replica) -> None:
         if not self.settings.scrape_vllm_metrics:
@@ -150,69 +166,43 @@ class HealthMonitor:
 
     # -- one round --------------------------------------------------------------------------
 
-    async def check(self, replica: Replica, *, wait_for_lock: bool = False) -> None:
+    async def check(self, replica: Replica, *, wait: bool = False) -> None:
+        """Probe, observe and, if needed, reconcile one replica. The reconciliation runs in a
+        task of its own unless ``wait``: the probe round must not wait behind it (a lagging
+        mount or a slow replica must not delay the other replicas' ejections)."""
         if replica.status is Status.REMOVED:
             return
         problem = await self.probe_health(replica)
         if problem is not None:
             self.control.note_failure(replica, problem)
             return
-        await self.scrape(replica)
-        if wait_for_lock:
-            await self._observe_and_reconcile(replica)
+        try:
+            await asyncio.gather(self.scrape(replica), self.observe(replica))
+        except (ProxyError, ValueError) as exc:
+            self.control.note_failure(replica, f"observe failed: {exc}")
             return
-        # Observation and reconciliation queue for the control lock (FIFO) in a task of their
-        # own: the probe round must not wait behind a broadcast (a lagging mount can hold the
-        # lock for minutes, and ejections must stay prompt), and skipping them while the lock
-        # is busy would starve a replica under frequent weight syncs.
+        if not self._needs_converging(replica):
+            self.metrics.replica_healthy.labels(str(replica.index)).set(
+                1 if replica.status is Status.READY else 0
+            )
+            return
+        if wait:
+            await self.control.reconciler.converge(replica)
+            return
         pending = self._reconciling.get(replica.index)
         if pending is None or pending.done():
             self._reconciling[replica.index] = asyncio.create_task(
-                self._observe_and_reconcile(replica), name=f"reconcile-{replica.index}"
+                self.control.reconciler.converge(replica), name=f"reconcile-{replica.index}"
             )
 
-    async def _observe_and_reconcile(self, replica: Replica) -> None:
-        async with self.control.lock:
-            if replica.status is Status.REMOVED:
-                return
-            await self.reconcile_locked(replica)
-        self.metrics.replica_healthy.labels(str(replica.index)).set(
-            1 if replica.status is Status.READY else 0
-        )
-
-    async def reconcile_locked(self, replica: Replica) -> None:
-        label = str(replica.index)
-        was = replica.status
-        try:
-            await self.observe(replica)
-        except (ProxyError, ValueError) as exc:
-            self.control.note_failure(replica, f"observe failed: {exc}")
-            return
-        if replica.status is not Status.RECONCILING:
-            return
-        outcomes = await self.control.apply_plan(replica)
-        try:
-            await self.observe(replica)
-        except (ProxyError, ValueError) as exc:
-            self.control.note_failure(replica, f"observe failed: {exc}")
-            self.metrics.reconciliations.labels(label, "failed").inc()
-            return
-        if self.fleet.plan(replica).empty:
-            if was in (Status.EJECTED, Status.PENDING) or any(o.result == "ok" for o in outcomes):
-                # It restarted or lost adapters: whatever the index thinks it cached is gone.
-                self.control.router.forget_replica(replica.index)
-            self.fleet.mark_reconciled(replica.index)
-            self.metrics.replica_healthy.labels(label).set(1)
-            self.metrics.reconciliations.labels(label, "ok").inc()
-            log.info("replica %d reconciled (%d actions) and ready", replica.index, len(outcomes))
-        else:
-            self.metrics.reconciliations.labels(label, "failed").inc()
-            log.warning(
-                "replica %d not reconciled yet: %s",
-                replica.index,
-                "; ".join(o.describe() for o in outcomes if o.result != "ok"),
-            )
-        self.control.refresh_adapter_gauges()
+    def _needs_converging(self, replica: Replica) -> bool:
+        if replica.status in (Status.RECONCILING, Status.PENDING):
+            return True
+        if replica.status in (Status.READY, Status.DRAINING):
+            # Behind the desired state while no control call is applying it (one that is will
+            # bring it there itself): e.g. an adapter someone unloaded behind the proxy's back.
+            return self.control.in_flight == 0 and not self.fleet.plan(replica).empty
+        return False
 
     async def run_round(self) -> None:
         await asyncio.gather(*(self.check(r) for r in self.fleet.members()))
@@ -221,7 +211,7 @@ class HealthMonitor:
         """First contact: adopt the adapters and pause state replicas already have (a proxy
         restart mid-training loses nothing), then reconcile everyone to it."""
         observed: dict[int, dict[str, str]] = {}
-        paused: dict[int, bool] = {}
+        paused: dict[int, bool | None] = {}
 
         async def look(replica: Replica) -> None:
             if await self.probe_health(replica) is not None:
@@ -231,19 +221,18 @@ class HealthMonitor:
             except (ProxyError, ValueError):
                 return
             observed[replica.index] = dict(replica.adapters)
-            paused[replica.index] = replica.paused
+            paused[replica.index] = replica.paused if replica.paused_observed else None
             await self.scrape(replica)
 
-        async with self.control.lock:
-            await asyncio.gather(*(look(r) for r in self.fleet.members()))
-            conflicts = self.fleet.adopt(observed, paused)
+        await asyncio.gather(*(look(r) for r in self.fleet.members()))
+        conflicts = self.fleet.adopt(observed, paused)
         for name in conflicts:
             log.warning(
                 "adapter %s is loaded with different paths on different replicas; "
                 "reconciling to the most common path",
                 name,
             )
-        await asyncio.gather(*(self.check(r, wait_for_lock=True) for r in self.fleet.members()))
+        await asyncio.gather(*(self.check(r, wait=True) for r in self.fleet.members()))
         return conflicts
 
     # -- lifecycle --------------------------------------------------------------------------

@@ -33,6 +33,10 @@ def describe(replica: Replica) -> dict[str, Any]:
         "in_flight": replica.in_flight,
         "adapters": dict(replica.adapters),
         "paused": replica.paused,
+        # Where the pause state comes from: read from /is_paused, or "unknown" (no endpoint,
+        # timeout, nonsense) and then only as the last successful apply set it.
+        "observed": {"paused": "known" if replica.paused_observed else "unknown"},
+        "not_reconciled": replica.not_reconciled,
         "failures": replica.failures,
         "last_error": replica.last_error,
         "block_size": replica.block_size,
@@ -80,7 +84,7 @@ class Membership:
         replica = self.fleet.add(url)
         log.info("replica %d added: %s", replica.index, url)
         # First reconciliation right away, so the caller learns whether it is ready.
-        await self.health.check(replica, wait_for_lock=True)
+        await self.health.check(replica, wait=True)
         return describe(replica)
 
     def drain(self, index: int) -> dict[str, Any]:

@@ -94,7 +94,7 @@ class Probes:
         return 200, {"status": "ok", "replicas": replicas}
 
     def _serving(self) -> list[Replica]:
-        serving = self.fleet.broadcast_targets()
+        serving = self.fleet.serving()
         if not serving:
             states = ", ".join(f"{r.index}={r.status.value}" for r in self.fleet.members())
             raise UpstreamUnavailable(f"no replica is in service ({states})", status_code=503)
@@ -102,24 +102,38 @@ class Probes:
 
     async def _json_all(
         self, path: str, params: str | None = None, timeout: httpx.Timeout | None = None
-    ) -> list[tuple[Replica, Any]]:
+    ) -> list[tuple[Replica, dict[str, Any]]]:
+        """The JSON-object answers of the serving replicas that gave one. Replicas that failed
+        are left out while at least one answered (one dead replica must not fail TRL's probe);
+        when none did, the error names each replica and its reason."""
         serving = self._serving()
         answers = await self._fan(serving, path, params, timeout)
-        out = []
+        out: list[tuple[Replica, dict[str, Any]]] = []
+        problems: list[str] = []
+        statuses: set[int] = set()
         for r, a in zip(serving, answers, strict=True):
             if isinstance(a, ProxyError):
-                raise UpstreamUnavailable(f"replica {r.index}: {a.message}")
+                problems.append(a.message)
+                continue
             if a.status_code != 200:
-                raise UpstreamUnavailable(
-                    f"replica {r.index} answered {path} with HTTP {a.status_code}",
-                    status_code=a.status_code if a.status_code in (404, 501) else 502,
-                )
+                statuses.add(a.status_code)
+                problems.append(f"replica {r.index} answered {path} with HTTP {a.status_code}")
+                continue
             try:
-                out.append((r, a.json()))
+                payload = a.json()
             except ValueError:
-                raise UpstreamUnavailable(
-                    f"replica {r.index} sent invalid JSON for {path}"
-                ) from None
+                payload = None
+            if not isinstance(payload, dict):
+                problems.append(f"replica {r.index} sent no JSON object for {path}")
+                continue
+            out.append((r, payload))
+        if not out:
+            # Every replica lacks the endpoint (a vLLM without dev mode): pass that status on.
+            only = statuses.pop() if len(statuses) == 1 else None
+            lacking = only in (404, 501) and len(problems) == len(serving)
+            raise UpstreamUnavailable(
+                "; ".join(problems), status_code=only if lacking and only else 502
+            )
         return out
 
     def _check_same_base(self, bases: dict[int, str | None]) -> None:
@@ -130,10 +144,22 @@ class Probes:
 
     async def models(self) -> dict[str, Any]:
         answers = await self._json_all("/v1/models")
-        parsed = [(r, payload, *parse_models(payload)) for r, payload in answers]
+        parsed = []
+        for r, payload in answers:
+            try:
+                parsed.append((r, payload, *parse_models(payload)))
+            except ValueError as exc:
+                if len(answers) == 1:
+                    raise UpstreamUnavailable(f"replica {r.index}: {exc}") from None
+        if not parsed:
+            raise UpstreamUnavailable("no replica sent a usable /v1/models answer")
         self._check_same_base({r.index: base for r, _, base, _, _ in parsed})
         first_payload = parsed[0][1]
-        entries = {e["id"]: e for e in first_payload["data"] if isinstance(e, dict) and "id" in e}
+        entries = {
+            e["id"]: e
+            for e in first_payload["data"]
+            if isinstance(e, dict) and isinstance(e.get("id"), str)
+        }
         base = parsed[0][2]
         lens = [mml for *_, mml, _ in parsed if mml is not None]
         common = set.intersection(*(set(adapters) for *_, adapters in parsed))
@@ -143,18 +169,20 @@ class Probes:
             if lens:
                 base_entry["max_model_len"] = min(lens)
             data.append(base_entry)
-        for name in first_payload["data"]:
-            if isinstance(name, dict) and name.get("id") in common:
-                data.append(name)
+        for entry in entries.values():
+            if entry["id"] in common:
+                data.append(entry)
         return {"object": "list", "data": data}
 
     async def server_info(self, params: str) -> dict[str, Any]:
         answers = await self._json_all("/server_info", params or None, SERVER_INFO_TIMEOUT)
         infos = [payload for _, payload in answers]
-        bases: dict[int, str | None] = {}
-        for r, payload in answers:
-            model = (payload.get("vllm_config") or {}).get("model_config") or {}
-            bases[r.index] = model.get("model") if isinstance(model, dict) else None
+        # The base model as each replica's config says (JSON form), else as its /v1/models
+        # said: vLLM's default text form carries the config as one opaque string.
+        bases = {
+            r.index: _config_model(payload.get("vllm_config")) or r.base_model
+            for r, payload in answers
+        }
         self._check_same_base(bases)
         merged = copy.deepcopy(infos[0])
         config = merged.get("vllm_config")
@@ -164,18 +192,14 @@ class Probes:
                 # The fleet is N independent servers: TRL must not see data parallelism (it
                 # would fall back to NCCL weight sync, which cannot reach N machines).
                 parallel["data_parallel_size"] = 1
-            loras: list[dict[str, Any]] = []
-            for p in infos:
-                lc = (p.get("vllm_config") or {}).get("lora_config")
-                if isinstance(lc, dict):
-                    loras.append(lc)
-            if len(loras) != len(infos):
+            loras = [_lora_config(p.get("vllm_config")) for p in infos]
+            present = [c for c in loras if c is not None]
+            if len(present) != len(infos):
                 config["lora_config"] = None  # LoRA must be enabled on every replica
             else:
-                lora = config.get("lora_config")
-                assert isinstance(lora, dict)
+                lora = config["lora_config"]
                 for key in ("max_loras", "max_lora_rank", "max_cpu_loras"):
-                    values = [c[key] for c in loras if isinstance(c.get(key), int)]
+                    values = [c[key] for c in present if _is_int(c.get(key))]
                     if values:
                         lora[key] = min(values)
         merged["rollout_proxy"] = {"replicas": len(infos)}
@@ -184,4 +208,19 @@ class Probes:
 
     async def is_paused(self) -> dict[str, Any]:
         answers = await self._json_all("/is_paused")
-        return {"is_paused": any(bool(p.get("is_paused")) for _, p in answers)}
+        return {"is_paused": any(p.get("is_paused") is True for _, p in answers)}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _config_model(config: Any) -> str | None:
+    model = config.get("model_config") if isinstance(config, dict) else None
+    name = model.get("model") if isinstance(model, dict) else None
+    return name if isinstance(name, str) else None
+
+
+def _lora_config(config: Any) -> dict[str, Any] | None:
+    lora = config.get("lora_config") if isinstance(config, dict) else None
+    return lora if isinstance(lora, dict) else None

@@ -15,6 +15,14 @@ Replica lifecycle::
 Only READY replicas take new requests, and only for a model they have confirmed loaded. A replica
 that comes back (or is added) is reconciled to the desired state before it is READY again, so
 a replica that restarted empty never serves a request for an adapter it lost.
+
+Desired state (``desired_adapters``, ``desired_paused``) is what TRL last asked for; a control
+call records it first and then applies it. Observed state is what the proxy believes each
+replica holds: known from an observation (``/v1/models``, ``/is_paused``) or from a successful
+apply, or unknown (``paused is None``: the endpoint is missing, timed out or answered nonsense,
+and nothing has been applied since the replica was last seen to restart). Unknown is never
+read as a value: the plan re-applies whatever it cannot confirm, once, and then trusts the
+successful apply, so reconciliation always terminates.
 """
 
 from __future__ import annotations
@@ -36,9 +44,10 @@ class Status(enum.Enum):
     REMOVED = "removed"
 
 
-# Replicas that keep receiving control-plane broadcasts: a draining replica still finishes
-# requests and must keep the adapters those requests use.
-BROADCAST_TARGETS = frozenset({Status.READY, Status.DRAINING})
+# Replicas whose answers stand for the fleet in TRL's probes (/v1/models, /server_info): the ones
+# serving (a draining replica still finishes requests). Control calls reach every member instead
+# (Fleet.broadcast_targets), whatever its status.
+SERVING = frozenset({Status.READY, Status.DRAINING})
 
 
 @dataclass
@@ -48,7 +57,11 @@ class Replica:
     status: Status = Status.PENDING
     in_flight: int = 0
     adapters: dict[str, str] = field(default_factory=dict)  # confirmed loaded: name -> path
-    paused: bool = False
+    # Believed pause state: None is unknown (never observed, /is_paused missing, or the replica
+    # may have restarted since the last apply). ``paused_observed`` says whether the last
+    # observation could read it at all (shown in /admin/fleet).
+    paused: bool | None = None
+    paused_observed: bool = False
     base_model: str | None = None
     max_model_len: int | None = None
     queue_depth: float = 0.0  # vllm:num_requests_waiting when scraped
@@ -57,10 +70,15 @@ class Replica:
     failures: int = 0  # consecutive failed probes/connects
     last_error: str | None = None
     needs_reconcile: bool = False
+    # Bumped before and after every call that changes the replica (control call or
+    # reconciliation step): an observation that overlapped one is stale and discarded.
+    generation: int = 0
+    # Why the last reconciliation left it short of the desired state (None when it is not).
+    not_reconciled: str | None = None
 
     @property
     def in_service(self) -> bool:
-        return self.status in BROADCAST_TARGETS
+        return self.status in SERVING
 
 
 @dataclass(frozen=True)
@@ -72,9 +90,20 @@ class ReconcilePlan:
     pause: bool | None  # True: pause it, False: resume it, None: leave as is
     pause_query: str = ""
 
+    pause_known: bool = True  # False: re-applied because the replica's pause state is unknown
+
     @property
     def empty(self) -> bool:
         return not self.load and not self.unload and self.pause is None
+
+    def describe(self) -> str:
+        """What is still to do, in words (every "not reconciled" line and fleet entry says it)."""
+        parts = [f"load {name}" for name in sorted(self.load)]
+        parts += [f"unload {name}" for name in self.unload]
+        if self.pause is not None:
+            why = "state unknown" if not self.pause_known else "differs"
+            parts.append(f"{'pause' if self.pause else 'resume'} ({why})")
+        return ", ".join(parts) or "nothing"
 
 
 def adapter_version(name: str) -> int | None:
@@ -110,6 +139,11 @@ class Fleet:
         return [r for r in self.replicas if r.status is not Status.REMOVED]
 
     def broadcast_targets(self) -> list[Replica]:
+        """Every member: a control call reaches each replica that can be reached, whatever the
+        proxy's bookkeeping says about it (only removed replicas are skipped)."""
+        return self.members()
+
+    def serving(self) -> list[Replica]:
         return [r for r in self.replicas if r.in_service]
 
     # -- data plane -------------------------------------------------------------------------
@@ -145,6 +179,8 @@ class Fleet:
             was_serving = replica.status is Status.READY
             replica.status = Status.EJECTED
             replica.needs_reconcile = True
+            # It may restart before it is seen again: what it had applied is no longer known.
+            replica.paused = None
             return was_serving
         return False
 
@@ -154,18 +190,29 @@ class Fleet:
         base_model: str | None,
         max_model_len: int | None,
         adapters: Mapping[str, str],
+        paused: bool | None = None,
     ) -> None:
-        """What a replica's /v1/models said. If a READY replica lost an adapter it should
-        have (it restarted between probes), it leaves service until reconciled."""
+        """What a replica's /v1/models (and /is_paused, ``None`` when it could not be read) said.
+
+        A READY replica that lost a desired adapter it had (it restarted between probes) leaves
+        service until reconciled, and its pause state becomes unknown unless observed. One that
+        merely lags the desired state (a broadcast is still being applied) keeps serving what it
+        has: eligibility is per adapter, so nothing it lacks is routed to it."""
         replica = self.replicas[index]
+        lost = [n for n in replica.adapters if n not in adapters and n in self.desired_adapters]
         replica.failures = 0
         replica.last_error = None
         replica.base_model = base_model
         replica.max_model_len = max_model_len
         replica.adapters = dict(adapters)
+        replica.paused_observed = paused is not None
+        if paused is not None:
+            replica.paused = paused
+        elif lost:
+            replica.paused = None
         if self.base_model is None and base_model is not None:
             self.base_model = base_model
-        if replica.status is Status.READY and not self.plan(replica).empty:
+        if replica.status is Status.READY and lost:
             replica.status = Status.RECONCILING
             replica.needs_reconcile = True
         if replica.status in (Status.PENDING, Status.EJECTED):
@@ -182,20 +229,21 @@ class Fleet:
             name for name in replica.adapters if name not in self.desired_adapters or name in load
         ]
         pause: bool | None = None
-        if replica.paused != self.desired_paused:
+        if replica.paused is None or replica.paused != self.desired_paused:
             pause = self.desired_paused
-        return ReconcilePlan(load, unload, pause, self.pause_query)
+        return ReconcilePlan(load, unload, pause, self.pause_query, replica.paused is not None)
 
     def mark_reconciled(self, index: int) -> None:
         replica = self.replicas[index]
         replica.needs_reconcile = False
+        replica.not_reconciled = None
         if replica.status is Status.RECONCILING:
             replica.status = Status.READY
 
     # -- desired state ----------------------------------------------------------------------
 
     def adopt(
-        self, observed: Mapping[int, Mapping[str, str]], paused: Mapping[int, bool]
+        self, observed: Mapping[int, Mapping[str, str]], paused: Mapping[int, bool | None]
     ) -> list[str]:
         """Rebuild the desired state from what replicas hold (proxy restart). Every adapter
         found on any replica becomes desired (TRL published it; a replica without it lost it),
@@ -211,7 +259,9 @@ class Fleet:
             if len(paths) > 1:
                 conflicts.append(name)
             self.desired_adapters[name] = max(paths.items(), key=lambda kv: kv[1])[0]
-        self.desired_paused = any(paused.values())
+        # A replica that answers "paused" was paused by TRL before the restart; unknown ones
+        # (no /is_paused) say nothing either way.
+        self.desired_paused = any(p is True for p in paused.values())
         return conflicts
 
     def published(self, name: str, path: str, loaded_on: Iterable[int]) -> None:

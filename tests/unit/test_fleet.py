@@ -28,7 +28,12 @@ def test_ejected_and_draining_take_no_traffic() -> None:
     assert fleet.record_failure(0, "refused") is True
     fleet.replicas[1].status = Status.DRAINING
     assert [r.index for r in fleet.eligible("base")] == [2]
-    assert [r.index for r in fleet.broadcast_targets()] == [1, 2]
+    # Control calls still reach both: the ejected one may answer again, the draining one
+    # finishes requests that may name any published adapter.
+    assert [r.index for r in fleet.broadcast_targets()] == [0, 1, 2]
+    assert [r.index for r in fleet.serving()] == [1, 2]
+    fleet.replicas[2].status = Status.REMOVED
+    assert [r.index for r in fleet.broadcast_targets()] == [0, 1]
 
 
 def test_restarted_replica_is_reconciled_before_ready() -> None:
@@ -73,3 +78,46 @@ def test_membership_and_versions() -> None:
     fleet.published("trl-policy-v3", "/3", [0])
     fleet.published("trl-policy-v12", "/12", [0])
     assert fleet.latest_version(fleet.replicas[0]) == 12
+
+
+def test_unknown_pause_state_is_applied_once_then_trusted() -> None:
+    fleet = ready_fleet(1)
+    r = fleet.replicas[0]
+    fleet.desired_paused = True
+    fleet.record_models(0, "base", 4096, {}, paused=None)  # /is_paused missing
+    assert r.paused is None and not r.paused_observed
+    plan = fleet.plan(r)
+    assert plan.pause is True and not plan.pause_known
+    assert plan.describe() == "pause (state unknown)"
+    r.paused = True  # what a successful apply records (proxy.reconciler)
+    fleet.record_models(0, "base", 4096, {}, paused=None)  # still unobservable: not undone
+    assert r.paused is True and fleet.plan(r).empty
+    fleet.record_models(0, "base", 4096, {}, paused=False)  # observed: the observation wins
+    assert fleet.plan(r).pause is True and fleet.plan(r).pause_known
+
+
+def test_lost_adapter_makes_pause_unknown_but_lagging_desired_state_keeps_serving() -> None:
+    fleet = ready_fleet(2)
+    fleet.published("trl-policy-v1", "/a/1", [0, 1])
+    for r in fleet.replicas:
+        r.paused = False
+    fleet.desired_adapters["trl-policy-v2"] = "/a/2"  # a broadcast is under way
+    fleet.record_models(0, "base", 4096, {"trl-policy-v1": "/a/1"}, paused=None)
+    assert fleet.replicas[0].status is Status.READY  # behind, not broken
+    assert fleet.plan(fleet.replicas[0]).describe() == "load trl-policy-v2"
+    fleet.record_models(1, "base", 4096, {}, paused=None)  # restarted: v1 is gone
+    assert fleet.replicas[1].status is Status.RECONCILING
+    assert fleet.replicas[1].paused is None
+
+
+def test_ejection_forgets_the_pause_state() -> None:
+    fleet = ready_fleet(1)
+    fleet.replicas[0].paused = True
+    assert fleet.record_failure(0, "refused")
+    assert fleet.replicas[0].paused is None
+
+
+def test_adopt_ignores_unknown_pause_states() -> None:
+    fleet = Fleet(["http://a", "http://b"])
+    fleet.adopt({0: {}, 1: {}}, {0: None, 1: False})
+    assert fleet.desired_paused is False

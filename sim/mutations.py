@@ -1,0 +1,42 @@
+"""Deliberate bugs the simulation must catch (tests/unit/test_sim.py runs them over the CI seeds).
+
+Each one re-creates a rule the proxy used to have, or an easy mistake, on a live runtime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from proxy.core.fleet import Fleet, Replica, Status
+
+
+def ready_only_broadcast(world: Any) -> None:
+    """The rule behind issue 11's first defect: control calls only reach READY/DRAINING
+    replicas, so a replica the proxy has ejected or is reconciling never hears of them."""
+    fleet: Fleet = world.proxy.rt.fleet
+
+    def targets() -> list[Replica]:
+        return [r for r in fleet.replicas if r.status in (Status.READY, Status.DRAINING)]
+
+    fleet.broadcast_targets = targets  # type: ignore[method-assign]
+
+
+def eligibility_ignores_status(world: Any) -> None:
+    """A broken eligibility rule: any member believed to hold the adapter takes traffic, READY
+    or not (an ejected replica that restarted empty still 'has' what it had)."""
+    fleet: Fleet = world.proxy.rt.fleet
+
+    def eligible(model: str) -> list[Replica]:
+        members = fleet.members()
+        if fleet.is_base_model(model):
+            return members
+        return [r for r in members if model in r.adapters]
+
+    fleet.eligible = eligible  # type: ignore[method-assign]
+
+
+MUTATIONS: dict[str, Callable[[Any], None]] = {
+    "ready_only_broadcast": ready_only_broadcast,
+    "eligibility_ignores_status": eligibility_ignores_status,
+}

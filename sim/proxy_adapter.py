@@ -1,0 +1,116 @@
+"""The simulation's one point of contact with the proxy: real runtime, real wiring.
+
+``build_runtime`` (proxy.app) builds the real Fleet, Router, ControlPlane, HealthMonitor, Probes
+and DataPlane on the simulated transport; this adapter starts and stops them the way the app's
+lifespan does and calls them the way the HTTP handlers do, turning a ``ProxyError`` into its
+status and anything else into the 500 the app's catch-all would answer.
+
+The data path goes through ``DataPlane.forward`` (eligibility, routing, retries) with the relay
+that an injected transport selects. When the data path's upstream client changes, this module is
+the only one to re-point.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from proxy.app import Runtime, build_runtime, configure_routing
+from proxy.errors import ProxyError
+from proxy.hotpath import EXTRACTORS, parse_json
+from proxy.settings import Settings
+from sim.replica import SimTransport
+
+
+@dataclass
+class Answer:
+    status: int
+    body: Any
+    message: str = ""
+
+
+class ProxyUnderTest:
+    def __init__(self, settings: Settings, transport: SimTransport) -> None:
+        self.settings = settings
+        self.transport = transport
+        self.rt: Runtime | None = None
+        self.generation = 0
+
+    async def start(self) -> None:
+        rt = build_runtime(self.settings, self.transport)
+        await rt.data.relay.start()
+        await rt.health.start_up()
+        configure_routing(rt)
+        rt.health.start()
+        self.rt = rt
+        self.generation += 1
+
+    async def stop(self) -> None:
+        rt, self.rt = self.rt, None
+        if rt is None:
+            return
+        await rt.health.stop()
+        await rt.data.relay.aclose()
+        await rt.upstream.aclose()
+
+    @property
+    def up(self) -> bool:
+        return self.rt is not None
+
+    @staticmethod
+    def _error(exc: BaseException) -> Answer:
+        if isinstance(exc, ProxyError):
+            return Answer(exc.status_code, exc.to_body(), exc.message)
+        return Answer(500, None, f"internal proxy error: {type(exc).__name__}: {exc}")
+
+    async def control(self, endpoint: str, raw: bytes = b"", query: str = "") -> Answer:
+        rt = self.rt
+        assert rt is not None
+        try:
+            if endpoint == "load":
+                reply = await rt.control.load_adapter(raw)
+            elif endpoint == "unload":
+                reply = await rt.control.unload_adapter(raw)
+            elif endpoint == "pause":
+                reply = await rt.control.pause(query)
+            elif endpoint == "resume":
+                reply = await rt.control.resume()
+            else:
+                reply = await rt.control.reset_prefix_cache(query)
+        except Exception as exc:
+            return self._error(exc)
+        return Answer(reply.status, reply.body)
+
+    async def probe(self, endpoint: str) -> Answer:
+        rt = self.rt
+        assert rt is not None
+        try:
+            if endpoint == "health":
+                status, body = await rt.probes.health()
+                return Answer(status, body, str(body.get("message", "")))
+            if endpoint == "server_info":
+                return Answer(200, await rt.probes.server_info("config_format=json"))
+            if endpoint == "server_info_text":
+                return Answer(200, await rt.probes.server_info(""))
+            if endpoint == "models":
+                return Answer(200, await rt.probes.models())
+            return Answer(200, await rt.probes.is_paused())
+        except Exception as exc:
+            return self._error(exc)
+
+    async def complete(self, body: dict[str, Any], request_id: str) -> Answer:
+        rt = self.rt
+        assert rt is not None
+        raw = orjson.dumps(body)
+        try:
+            key = EXTRACTORS["completions"](parse_json(raw), None)
+            response = await rt.data.forward(
+                "completions", "/v1/completions", raw, key, request_id, time.perf_counter()
+            )
+        except Exception as exc:
+            return self._error(exc)
+        payload = bytes(response.body) if hasattr(response, "body") else b""
+        return Answer(response.status_code, orjson.loads(payload) if payload else None)

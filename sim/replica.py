@@ -1,0 +1,306 @@
+"""Simulated vLLM replicas behind one in-process httpx transport.
+
+Each ``SimReplica`` answers the endpoints the proxy uses the way vLLM 0.32/0.33 does (shapes taken
+from tests/fixtures/vllm_cpu_0.32.0), and carries switches for every fault the simulation
+schedules. ``SimTransport`` routes the proxy's httpx client to them by port and turns faults into
+what httpx would raise on a real network: a refused connection, a connect timeout (partition),
+a read timeout (wedged), a connection reset mid-answer (crash).
+
+Invariant I1 is checked here, where it happens: a completion that reaches a replica lacking its
+adapter is recorded as a violation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+BASE_MODEL = "sim/base"
+MAX_MODEL_LEN = 4096
+PROBE_PATHS = frozenset({"/health", "/v1/models", "/is_paused", "/metrics", "/server_info"})
+
+
+@dataclass
+class Faults:
+    down: bool = False  # crashed: connections refused
+    wedged: bool = False  # accepts, never answers
+    partitioned: bool = False  # packets dropped: connects time out, answers never arrive
+    slow_s: float = 0.0  # extra latency on every answer
+    errors_5xx: bool = False  # engine dead: everything (including /health) answers 500
+    probe_hang: bool = False  # GETs (probes) hang; control calls and completions still answered
+    missing: set[str] = field(default_factory=set)  # optional endpoints this server lacks
+    mount_lag_s: float = 0.0  # adapters published now become readable this much later
+
+
+class SimReplica:
+    def __init__(self, index: int, world: Any) -> None:
+        self.index = index
+        self.world = world
+        self.port = 9000 + index
+        self.faults = Faults()
+        self.adapters: dict[str, str] = {}
+        self.paused = False
+        self.incarnation = 0
+        self.readable_at: dict[str, float] = {}  # adapter path -> when this mount sees it
+        self._waiters: list[asyncio.Future[None]] = []  # completions in progress
+        self._resumed: asyncio.Future[None] | None = None
+        self.applied: list[tuple[float, str, str]] = []  # (time, action, name) of 2xx applies
+        self.served = 0
+
+    # -- faults -------------------------------------------------------------------------------
+
+    def crash(self) -> None:
+        """The process dies: every open connection is reset, state is gone."""
+        self.faults.down = True
+        self.incarnation += 1
+        waiters, self._waiters = self._waiters, []
+        for w in waiters:
+            if not w.done():
+                w.set_exception(httpx.RemoteProtocolError("connection reset by peer"))
+        if self._resumed is not None and not self._resumed.done():
+            self._resumed.set_exception(httpx.RemoteProtocolError("connection reset by peer"))
+        self._resumed = None
+        self.adapters.clear()
+        self.paused = False
+
+    def restart(self) -> None:
+        self.faults.down = False
+
+    def publish(self, path: str, now: float) -> None:
+        """The trainer wrote an adapter; this replica's mount sees it after its lag."""
+        self.readable_at.setdefault(path, now + self.faults.mount_lag_s)
+
+    def mount_lags(self, now: float) -> bool:
+        return any(t > now for t in self.readable_at.values())
+
+    def mount_caught_up_at(self, now: float) -> float:
+        """When the mount last caught up (an adapter became readable): a fault ending."""
+        return max((t for t in self.readable_at.values() if t <= now), default=0.0)
+
+    # -- serving --------------------------------------------------------------------------------
+
+    async def handle(self, method: str, path: str, query: str, body: Any) -> httpx.Response:
+        f = self.faults
+        if f.slow_s:
+            await asyncio.sleep(f.slow_s)
+        if f.wedged or (f.probe_hang and method == "GET"):
+            await self.world.forever()
+        if path in f.missing:
+            return _json({"detail": "Not Found"}, 404)
+        if f.errors_5xx:
+            return _error("EngineCore encountered an issue", "InternalServerError", 500)
+        handler = ROUTES.get((method, path))
+        if handler is None:
+            return _json({"detail": "Not Found"}, 404)
+        result: httpx.Response = await handler(self, query, body)
+        return result
+
+    async def health(self, query: str, body: Any) -> httpx.Response:
+        return httpx.Response(200)
+
+    async def models(self, query: str, body: Any) -> httpx.Response:
+        return _json(models_payload(BASE_MODEL, MAX_MODEL_LEN, self.adapters))
+
+    async def is_paused(self, query: str, body: Any) -> httpx.Response:
+        return _json({"is_paused": self.paused})
+
+    async def metrics(self, query: str, body: Any) -> httpx.Response:
+        text = (
+            f'vllm:num_requests_waiting{{engine="0",model_name="{BASE_MODEL}"}} 0.0\n'
+            f'vllm:num_requests_running{{engine="0",model_name="{BASE_MODEL}"}} '
+            f"{len(self._waiters)}.0\n"
+            'vllm:cache_config_info{block_size="16",prefix_caching_hash_algo="sha256",'
+            'engine="0"} 1.0\n'
+        )
+        return httpx.Response(200, text=text, headers={"content-type": "text/plain"})
+
+    async def server_info(self, query: str, body: Any) -> httpx.Response:
+        if "config_format=json" not in query:
+            return _json({"vllm_config": f"model='{BASE_MODEL}', max_model_len=4096"})
+        return _json(
+            {
+                "vllm_config": {
+                    "model_config": {"model": BASE_MODEL, "max_model_len": MAX_MODEL_LEN},
+                    "parallel_config": {"data_parallel_size": 1},
+                    "lora_config": {"max_loras": 6, "max_lora_rank": 1, "max_cpu_loras": 6},
+                }
+            }
+        )
+
+    def _applied(self, action: str, name: str = "") -> None:
+        self.applied.append((self.world.now(), action, name))
+
+    async def load(self, query: str, body: Any) -> httpx.Response:
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if self.world.now() < self.readable_at.get(path, float("inf")):
+            return _error(
+                f"Loading lora {name} failed: No adapter found for <path>", "NotFoundError", 404
+            )
+        if name in self.adapters and not body.get("load_inplace"):
+            return _error(
+                f"The lora adapter '{name}' has already been loaded. If you want to load the "
+                "adapter in place, set 'load_inplace' to True.",
+                "InvalidUserInput",
+                400,
+            )
+        self.adapters[name] = path
+        self._applied("load", name)
+        return httpx.Response(200, text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload(self, query: str, body: Any) -> httpx.Response:
+        name = body.get("lora_name")
+        if name not in self.adapters:
+            return _error(f"The lora adapter '{name}' cannot be found.", "NotFoundError", 404)
+        del self.adapters[name]
+        self._applied("unload", name)
+        return httpx.Response(200, text=f"Success: LoRA adapter '{name}' removed successfully.")
+
+    async def pause(self, query: str, body: Any) -> httpx.Response:
+        self.paused = True
+        self._applied("pause")
+        return _json({"status": "paused"})
+
+    async def resume(self, query: str, body: Any) -> httpx.Response:
+        self.paused = False
+        self._applied("resume")
+        if self._resumed is not None and not self._resumed.done():
+            self._resumed.set_result(None)
+        self._resumed = None
+        return _json({"status": "resumed"})
+
+    async def reset(self, query: str, body: Any) -> httpx.Response:
+        self._applied("reset")
+        return _json({"success": True})
+
+    async def completion(self, query: str, body: Any) -> httpx.Response:
+        model = body.get("model")
+        if model != BASE_MODEL and model not in self.adapters:
+            self.world.violation(
+                "I1",
+                f"completion for {model} reached replica {self.index}, which lacks it "
+                f"(has {sorted(self.adapters)})",
+            )
+            return _error(f"The model `{model}` does not exist.", "NotFoundError", 404, "model")
+        loop = asyncio.get_running_loop()
+        while self.paused:  # mode=keep: held until resumed
+            if self._resumed is None:
+                self._resumed = loop.create_future()
+            # Shielded: the future is shared by every held request, and one of them timing out
+            # (its task cancelled) must not cancel it for the others.
+            await asyncio.shield(self._resumed)
+        done: asyncio.Future[None] = loop.create_future()
+        self._waiters.append(done)
+        duration = self.world.rng_completion_s()
+        handle = loop.call_later(duration, _finish, done)
+        try:
+            await done
+        finally:
+            handle.cancel()
+            if done in self._waiters:
+                self._waiters.remove(done)
+        self.served += 1
+        n = int(body.get("max_tokens") or 4)
+        tokens = [
+            (self.index * 7919 + i * 31 + len(body.get("prompt", []))) % 1000 for i in range(n)
+        ]
+        return _json(
+            {
+                "id": "cmpl-sim",
+                "object": "text_completion",
+                "model": model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": "",
+                        "token_ids": tokens,
+                        "logprobs": {"token_logprobs": [-0.5] * n},
+                        "finish_reason": "length",
+                    }
+                ],
+            }
+        )
+
+
+def models_payload(base: str, max_model_len: int, adapters: dict[str, str]) -> dict[str, Any]:
+    """vLLM's /v1/models: the base model first, then one entry per adapter (``root`` is its
+    path, ``parent`` the base model), as recorded in tests/fixtures/vllm_cpu_0.32.0."""
+    entry = {"object": "model", "owned_by": "vllm"}
+    data = [{"id": base, **entry, "root": base, "parent": None, "max_model_len": max_model_len}]
+    data += [
+        {"id": name, **entry, "root": path, "parent": base, "max_model_len": None}
+        for name, path in adapters.items()
+    ]
+    return {"object": "list", "data": data}
+
+
+def _finish(done: asyncio.Future[None]) -> None:
+    if not done.done():
+        done.set_result(None)
+
+
+ROUTES: dict[tuple[str, str], Any] = {
+    ("GET", "/health"): SimReplica.health,
+    ("GET", "/v1/models"): SimReplica.models,
+    ("GET", "/is_paused"): SimReplica.is_paused,
+    ("GET", "/metrics"): SimReplica.metrics,
+    ("GET", "/server_info"): SimReplica.server_info,
+    ("POST", "/v1/load_lora_adapter"): SimReplica.load,
+    ("POST", "/v1/unload_lora_adapter"): SimReplica.unload,
+    ("POST", "/pause"): SimReplica.pause,
+    ("POST", "/resume"): SimReplica.resume,
+    ("POST", "/reset_prefix_cache"): SimReplica.reset,
+    ("POST", "/v1/completions"): SimReplica.completion,
+}
+
+
+def _json(payload: Any, status: int = 200) -> httpx.Response:
+    return httpx.Response(
+        status, content=json.dumps(payload).encode(), headers={"content-type": "application/json"}
+    )
+
+
+def _error(message: str, type_: str, status: int, param: str | None = None) -> httpx.Response:
+    return _json(
+        {"error": {"message": message, "type": type_, "param": param, "code": status}}, status
+    )
+
+
+class SimTransport(httpx.AsyncBaseTransport):
+    """The proxy's only way to its replicas in a simulation."""
+
+    def __init__(self, replicas: list[SimReplica]) -> None:
+        self.by_port = {r.port: r for r in replicas}
+        self.open = 0  # requests in progress (I5: none left at the end)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        replica = self.by_port[request.url.port or 80]
+        timeout = request.extensions.get("timeout", {})
+        connect_s, read_s = timeout.get("connect"), timeout.get("read")
+        if replica.faults.partitioned:
+            await asyncio.sleep(connect_s if connect_s is not None else 30.0)
+            raise httpx.ConnectTimeout("connect timed out", request=request)
+        if replica.faults.down:
+            raise httpx.ConnectError("connection refused", request=request)
+        raw = await request.aread()
+        body = json.loads(raw) if raw else None
+        query = request.url.query.decode()
+        self.open += 1
+        incarnation = replica.incarnation
+        try:
+            work = replica.handle(request.method, request.url.path, query, body)
+            try:
+                response = await asyncio.wait_for(work, read_s)
+            except TimeoutError:
+                raise httpx.ReadTimeout("read timed out", request=request) from None
+            if replica.incarnation != incarnation or replica.faults.down:
+                raise httpx.RemoteProtocolError("server disconnected", request=request)
+            if replica.faults.partitioned:
+                await asyncio.sleep(read_s if read_s is not None else 30.0)
+                raise httpx.ReadTimeout("read timed out", request=request)
+            return response
+        finally:
+            self.open -= 1

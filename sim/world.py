@@ -1,0 +1,498 @@
+"""One simulated training run: the real proxy, simulated replicas, a TRL-shaped trainer, a seeded
+fault schedule, and the invariants checked after every step.
+
+Invariants (README, "Reliability"):
+
+* I1 no completion reaches a replica that lacks its adapter (checked by the replica itself);
+* I2 every TRL control call is answered 200 whenever at least one replica applied it;
+* I3 a replica that stays healthy reaches the desired state (and READY) within 3 probe rounds;
+* I4 the proxy's own code never answers 500, and its 502/503/504 name a replica and a reason;
+* I5 no task, connection or file descriptor is left at the end.
+
+Everything random is drawn from one ``random.Random(seed)``, and time is virtual
+(``sim.loop``), so a seed replays exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from proxy.core.fleet import Status
+from proxy.settings import Settings
+from sim.proxy_adapter import Answer, ProxyUnderTest
+from sim.replica import BASE_MODEL, SimReplica, SimTransport
+
+# Simulated settings: the shipped defaults where they matter for the rules under test, a few
+# shortened so a run covers many syncs (each virtual second costs the same as a real one would
+# not, but fewer events make more seeds per second).
+HEALTH_INTERVAL_S = 2.0
+PROBE_TIMEOUT_S = 2.0
+SETTINGS: dict[str, Any] = {
+    "health_interval_s": HEALTH_INTERVAL_S,
+    "probe_timeout_s": PROBE_TIMEOUT_S,
+    "connect_timeout_s": 3.0,
+    "control_timeout_s": 10.0,
+    "upstream_timeout_s": 15.0,  # a wedged replica holds a rollout this long, not a minute
+    "lora_retry_s": 1.0,
+    "lora_load_timeout_s": 30.0,
+    "eject_after": 2,
+    "scrape_vllm_metrics": True,
+    # No TLS between in-process peers; building a verifying SSL context (certifi's bundle) for
+    # every simulated proxy start cost more than the rest of a seed.
+    "upstream_insecure": True,
+}
+RUN_S = 45.0  # virtual seconds of training per seed (6-8 weight syncs)
+MAX_STALENESS = 4  # TRL's default: adapter v(N-5) is unloaded after vN is published
+FAULT_KINDS = (
+    "crash",
+    "restart_empty",
+    "wedge",
+    "slow",
+    "5xx",
+    "mount_lag",
+    "missing_endpoints",
+    "probe_timeout",
+    "partition",
+    "proxy_restart",
+)
+# A replica counts as healthy for I3 once this long has passed since its last fault and since
+# the desired state last changed: 3 probe rounds, plus one probe budget for the round in flight.
+I3_WINDOW_S = 3 * HEALTH_INTERVAL_S + PROBE_TIMEOUT_S
+
+
+@dataclass
+class Fault:
+    at: float
+    kind: str
+    replica: int
+    duration: float
+    detail: str = ""
+
+    def describe(self) -> str:
+        who = "proxy" if self.kind == "proxy_restart" else f"replica {self.replica}"
+        extra = f" ({self.detail})" if self.detail else ""
+        return f"t={self.at:6.2f}s {self.kind:<17} {who} for {self.duration:.2f}s{extra}"
+
+
+def draw_schedule(rng: random.Random, replicas: int) -> list[Fault]:
+    faults: list[Fault] = []
+    for _ in range(rng.randint(2, 5)):
+        kind = rng.choice(FAULT_KINDS)
+        at = round(rng.uniform(3.0, RUN_S - 18.0), 2)
+        replica = rng.randrange(replicas)
+        # A restart takes vLLM tens of seconds; at least three probe rounds here, so that the
+        # proxy has seen it down (eject_after=2) before it comes back empty.
+        duration = round(rng.uniform(3 * HEALTH_INTERVAL_S + 0.5, 14.0), 2)
+        detail = ""
+        if kind == "slow":
+            detail = f"{rng.choice((0.05, 0.3, 1.0)):g}s per answer"
+        elif kind == "mount_lag":
+            detail = f"adapters readable {rng.choice((2.5, 6.0, 40.0)):g}s late"
+        elif kind == "missing_endpoints":
+            detail = ",".join(
+                sorted(rng.sample(["/is_paused", "/metrics", "/server_info"], rng.randint(1, 3)))
+            )
+            duration = RUN_S
+        elif kind == "proxy_restart":
+            duration = 0.5
+        faults.append(Fault(at, kind, replica, duration, detail))
+    return sorted(faults, key=lambda f: f.at)
+
+
+@dataclass
+class Violation:
+    at: float
+    invariant: str
+    message: str
+
+
+@dataclass
+class Result:
+    seed: int
+    schedule: list[Fault]
+    violations: list[Violation] = field(default_factory=list)
+    control_calls: int = 0
+    control_refused: int = 0
+    completions: int = 0
+    completions_failed: int = 0
+    syncs: int = 0
+
+
+class World:
+    def __init__(
+        self,
+        seed: int,
+        replicas: int = 3,
+        mutate: Callable[[World], None] | None = None,
+    ) -> None:
+        self.seed = seed
+        self.rng = random.Random(seed)
+        self.loop = asyncio.get_running_loop()
+        self.replicas = [SimReplica(i, self) for i in range(replicas)]
+        self.transport = SimTransport(self.replicas)
+        settings = Settings(
+            replicas=[f"http://replica{r.index}.sim:{r.port}" for r in self.replicas], **SETTINGS
+        )
+        self.proxy = ProxyUnderTest(settings, self.transport)
+        self.schedule = draw_schedule(self.rng, replicas)
+        self.result = Result(seed, self.schedule)
+        self.mutate = mutate
+        self.healthy_since = [0.0] * replicas  # when each replica's last fault ended
+        self.desired_changed_at = 0.0
+        self.control_busy = False
+        self.proxy_down = False
+        self.version = 0  # the last adapter version the trainer published
+        self.serving_version = 0  # the one rollouts use: published and loaded
+        self._forever: list[asyncio.Future[None]] = []
+        self._restarts: list[asyncio.Future[None]] = []
+        self._one_proxy = asyncio.Lock()  # restarts scheduled close together run one by one
+        self._stopping = False
+
+    # -- helpers used by the replicas ---------------------------------------------------------
+
+    def now(self) -> float:
+        return self.loop.time()
+
+    def violation(self, invariant: str, message: str) -> None:
+        self.result.violations.append(Violation(self.now(), invariant, message))
+
+    def rng_completion_s(self) -> float:
+        return self.rng.uniform(0.5, 3.0)
+
+    async def forever(self) -> None:
+        """Hang until cancelled (a wedged replica; callers always have a timeout)."""
+        future: asyncio.Future[None] = self.loop.create_future()
+        self._forever.append(future)
+        try:
+            await future
+        finally:
+            self._forever.remove(future)
+
+    # -- faults ---------------------------------------------------------------------------------
+
+    async def _inject(self, fault: Fault) -> None:
+        await asyncio.sleep(max(0.0, fault.at - self.now()))
+        if self._stopping:
+            return
+        if fault.kind == "proxy_restart":
+            # Shielded: the end of the run waits for a restart under way rather than cutting it
+            # in half (a half-started proxy would leak its tasks and be reported as I5).
+            restart = asyncio.ensure_future(self._restart_proxy(fault.duration))
+            self._restarts.append(restart)
+            await asyncio.shield(restart)
+            return
+        replica = self.replicas[fault.replica]
+        f = replica.faults
+        undo: Callable[[], None]
+        if fault.kind in ("crash", "restart_empty"):
+            replica.crash()
+            undo = replica.restart
+        elif fault.kind == "wedge":
+            f.wedged = True
+            undo = lambda: setattr(f, "wedged", False)  # noqa: E731
+        elif fault.kind == "slow":
+            f.slow_s = float(fault.detail.split("s")[0])
+            undo = lambda: setattr(f, "slow_s", 0.0)  # noqa: E731
+        elif fault.kind == "5xx":
+            f.errors_5xx = True
+            undo = lambda: setattr(f, "errors_5xx", False)  # noqa: E731
+        elif fault.kind == "mount_lag":
+            f.mount_lag_s = float(fault.detail.split()[2].rstrip("s"))
+            undo = lambda: setattr(f, "mount_lag_s", 0.0)  # noqa: E731
+        elif fault.kind == "missing_endpoints":
+            f.missing |= set(fault.detail.split(","))
+            undo = lambda: None  # noqa: E731
+        elif fault.kind == "probe_timeout":
+            f.probe_hang = True
+            undo = lambda: setattr(f, "probe_hang", False)  # noqa: E731
+        else:  # partition
+            f.partitioned = True
+            undo = lambda: setattr(f, "partitioned", False)  # noqa: E731
+        if fault.kind != "missing_endpoints":  # a permanent trait, not a fault: I3 must hold
+            self.healthy_since[fault.replica] = float("inf")
+        await asyncio.sleep(fault.duration)
+        undo()
+        self.healthy_since[fault.replica] = self.now()
+
+    def _unhealthy(self, replica: SimReplica) -> bool:
+        f = replica.faults
+        return (
+            f.down
+            or f.wedged
+            or f.partitioned
+            or f.errors_5xx
+            or f.probe_hang
+            or f.slow_s >= PROBE_TIMEOUT_S / 2
+            or replica.mount_lags(self.now())
+        )
+
+    async def _restart_proxy(self, down_s: float) -> None:
+        async with self._one_proxy:
+            await self._restart_proxy_once(down_s)
+
+    async def _restart_proxy_once(self, down_s: float) -> None:
+        while self.control_busy:  # noqa: ASYNC110 - polled on the virtual clock, costs nothing
+            await asyncio.sleep(0.1)  # (TRL's own process survives; restarts fall between calls)
+        self.proxy_down = True
+        await self.proxy.stop()
+        await asyncio.sleep(down_s)
+        await self.proxy.start()
+        if self.mutate is not None:
+            self.mutate(self)
+        self.proxy_down = False
+        self.desired_changed_at = self.now()
+
+    # -- the trainer ------------------------------------------------------------------------------
+
+    def _able(self, replica: SimReplica, endpoint: str, path: str) -> bool:
+        """Can this replica apply a control call right now (reachable, answering, its mount
+        showing the adapter well before the load deadline)?"""
+        f = replica.faults
+        if f.down or f.wedged or f.partitioned or f.errors_5xx or f.slow_s >= PROBE_TIMEOUT_S / 2:
+            return False
+        if endpoint == "load":
+            budget = float(SETTINGS["lora_load_timeout_s"]) - 2 * float(SETTINGS["lora_retry_s"])
+            return replica.readable_at.get(path, float("inf")) <= self.now() + budget
+        return True
+
+    def _holds(self, replica: SimReplica, endpoint: str, body: dict[str, Any]) -> bool:
+        name = str(body.get("lora_name", ""))
+        if endpoint == "load":
+            return replica.adapters.get(name) == body.get("lora_path")
+        if endpoint == "unload":
+            return name not in replica.adapters
+        if endpoint == "pause":
+            return replica.paused
+        return not replica.paused
+
+    async def _control(self, endpoint: str, raw: bytes = b"", query: str = "") -> Answer:
+        while self.proxy_down:  # noqa: ASYNC110 - a restarting proxy refuses connections and
+            await asyncio.sleep(0.1)  # TRL would crash, so restarts fall between calls (above)
+        self.control_busy = True
+        body = json.loads(raw) if raw else {}
+        name = body.get("lora_name", "")
+        started = self.now()
+        path = body.get("lora_path", "")
+        able_before = {
+            r.index: r.incarnation for r in self.replicas if self._able(r, endpoint, path)
+        }
+        answer = await self.proxy.control(endpoint, raw, query)
+        self.control_busy = False
+        self.desired_changed_at = self.now()
+        self.result.control_calls += 1
+        # Able throughout the call: at its start and its end, with no restart in between.
+        able = [
+            r
+            for r in self.replicas
+            if able_before.get(r.index) == r.incarnation and self._able(r, endpoint, path)
+        ]
+        what = f"{endpoint} {name} at {started:.2f}s"
+        self._check_answer(what, answer)
+        if answer.status != 200 and not (endpoint == "unload" and answer.status == 404):
+            self.result.control_refused += 1
+            if able:
+                self.violation(
+                    "I2",
+                    f"{what} answered {answer.status} although replicas "
+                    f"{[r.index for r in able]} could apply it: {answer.message[:300]}",
+                )
+        elif answer.status == 200:
+            missed = [r.index for r in able if not self._holds(r, endpoint, body)]
+            if missed:
+                self.violation(
+                    "I2",
+                    f"{what} answered 200 but never reached replicas {missed} (able to apply it)",
+                )
+        return answer
+
+    def _check_answer(self, what: str, answer: Answer) -> None:
+        if answer.status == 500:
+            self.violation("I4", f"{what}: the proxy answered 500: {answer.message[:300]}")
+        elif answer.status in (502, 503, 504) and (
+            "replica" not in answer.message or len(answer.message) < 20
+        ):
+            self.violation(
+                "I4", f"{what}: {answer.status} names no replica/reason: {answer.message!r}"
+            )
+
+    async def _sync_loop(self) -> None:
+        while self.now() < RUN_S - 12.0:
+            await asyncio.sleep(self.rng.uniform(3.0, 7.0))
+            self.version += 1
+            v = self.version
+            path = f"/adapters/trl-policy-v{v}"
+            await self._control("pause", query="mode=keep")
+            for r in self.replicas:  # the trainer saves and renames the adapter meanwhile
+                r.publish(path, self.now())
+            await asyncio.sleep(self.rng.uniform(0.2, 3.0))
+            body = {"lora_name": f"trl-policy-v{v}", "lora_path": path, "load_inplace": False}
+            loaded = await self._control("load", json.dumps(body).encode())
+            if loaded.status == 200:
+                self.serving_version = v
+            await self._control("resume")
+            old = v - MAX_STALENESS - 1
+            if old >= 1:
+                await self._control(
+                    "unload", json.dumps({"lora_name": f"trl-policy-v{old}"}).encode()
+                )
+            self.result.syncs += 1
+
+    async def _rollouts(self, worker: int) -> None:
+        rng = random.Random(self.rng.random())
+        while self.now() < RUN_S - 5.0:
+            # Asynchronous GRPO: a rollout worker may still be on a policy a version or two
+            # behind (never past max_staleness, whose adapters are still loaded everywhere).
+            v = self.serving_version - rng.choice((0, 0, 1, 2))
+            v = v if v > max(0, self.serving_version - MAX_STALENESS) else self.serving_version
+            model = f"trl-policy-v{v}" if v else BASE_MODEL
+            prompt = [rng.randrange(50_000) for _ in range(rng.randint(20, 80))]
+            for _turn in range(rng.choice((1, 1, 2, 3))):  # multi-turn: prompt grows each turn
+                group = [self._complete(model, prompt, rng.getrandbits(62)) for _ in range(2)]
+                answers = await asyncio.gather(*group)
+                tokens = next((a for a in answers if a), None)
+                if tokens is None:
+                    break
+                prompt = prompt + tokens + [rng.randrange(50_000) for _ in range(8)]
+
+    async def _complete(self, model: str, prompt: list[int], seed: int) -> list[int] | None:
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": 8,
+            "return_token_ids": True,
+            "logprobs": 0,
+            "seed": seed,
+        }
+        for _attempt in range(6):  # TRL retries failed rollouts (about 90 times over minutes)
+            if self.proxy_down:
+                await asyncio.sleep(0.5)
+                continue
+            answer = await self.proxy.complete(body, f"sim-{seed}")
+            self.result.completions += 1
+            self._check_answer(f"completion {model}", answer)
+            if answer.status == 200:
+                choices = answer.body.get("choices") if isinstance(answer.body, dict) else None
+                if isinstance(choices, list) and choices:
+                    return list(choices[0].get("token_ids") or [])
+                return []
+            self.result.completions_failed += 1
+            await asyncio.sleep(1.0)
+            if answer.status == 404:
+                return None  # an adapter past staleness: TRL drops the sample
+        return None
+
+    async def _probes(self) -> None:
+        while self.now() < RUN_S - 5.0:
+            await asyncio.sleep(self.rng.uniform(2.0, 6.0))
+            if self.proxy_down:
+                continue
+            endpoint = self.rng.choice(
+                ("health", "server_info", "server_info_text", "models", "is_paused")
+            )
+            answer = await self.proxy.probe(endpoint)
+            self._check_answer(f"probe {endpoint}", answer)
+
+    # -- invariants -------------------------------------------------------------------------
+
+    async def _watch(self) -> None:
+        """I3, checked every half probe round."""
+        while True:
+            await asyncio.sleep(HEALTH_INTERVAL_S / 2)
+            self.check_converged()
+
+    def check_converged(self) -> None:
+        rt = self.proxy.rt
+        if rt is None or self.control_busy:
+            return
+        now = self.now()
+        fleet = rt.fleet
+        for replica in self.replicas:
+            if self._unhealthy(replica):
+                continue
+            since = max(
+                self.healthy_since[replica.index],
+                self.desired_changed_at,
+                replica.mount_caught_up_at(now),
+            )
+            if now - since < I3_WINDOW_S:
+                continue
+            proxy_view = fleet.replicas[replica.index]
+            problems = []
+            if replica.adapters != fleet.desired_adapters:
+                have, want = sorted(replica.adapters), sorted(fleet.desired_adapters)
+                problems.append(f"adapters {have} != desired {want}")
+            if replica.paused != fleet.desired_paused:
+                problems.append(f"paused={replica.paused}, desired {fleet.desired_paused}")
+            if proxy_view.status is not Status.READY:
+                why = proxy_view.not_reconciled or proxy_view.last_error
+                problems.append(f"status {proxy_view.status.value} ({why})")
+            if problems:
+                self.violation(
+                    "I3",
+                    f"replica {replica.index} healthy for {now - since:.1f}s but not converged: "
+                    + "; ".join(problems),
+                )
+                self.healthy_since[replica.index] = now  # report once per window
+
+    # -- one run ------------------------------------------------------------------------------
+
+    async def run(self) -> Result:
+        await self.proxy.start()
+        if self.mutate is not None:
+            self.mutate(self)
+        background = [asyncio.create_task(self._watch())]
+        background += [asyncio.create_task(self._inject(f)) for f in self.schedule]
+        work = [asyncio.create_task(self._sync_loop()), asyncio.create_task(self._probes())]
+        work += [asyncio.create_task(self._rollouts(w)) for w in range(3)]
+        await asyncio.gather(*work)
+        self._stopping = True
+        for task in background:
+            task.cancel()
+        await asyncio.gather(*background, return_exceptions=True)
+        await asyncio.gather(*self._restarts)
+        await self.proxy.stop()
+        for future in list(self._forever):
+            future.cancel()
+        await asyncio.sleep(0)
+        self._check_leftovers()
+        return self.result
+
+    def _check_leftovers(self) -> None:
+        current = asyncio.current_task()
+        left = [t for t in asyncio.all_tasks() if t is not current and not t.done()]
+        if left:
+            names = ", ".join(sorted(t.get_name() for t in left))
+            self.violation("I5", f"{len(left)} tasks left running: {names}")
+        if self.transport.open:
+            self.violation("I5", f"{self.transport.open} upstream requests left open")
+
+
+def run_seed(seed: int, replicas: int = 3, mutate: Callable[[World], None] | None = None) -> Result:
+    from sim.loop import run
+
+    logging.getLogger("rollout_proxy").setLevel(logging.CRITICAL)
+    fds_before = _open_fds()
+
+    async def main() -> Result:
+        world = World(seed, replicas, mutate)
+        return await world.run()
+
+    result: Result = run(main())
+    leaked = _open_fds() - fds_before
+    if leaked > 0:
+        result.violations.append(Violation(RUN_S, "I5", f"{leaked} file descriptors left open"))
+    return result
+
+
+def _open_fds() -> int:
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:  # not Linux: the check is skipped
+        return 0
