@@ -32,6 +32,7 @@ from proxy.metrics import Metrics
 from proxy.relay import Relay, Reply
 from proxy.security.guard import Guard
 from proxy.upstream import ReplicaBroken, ReplicaUnreachable
+from proxy.wire import send_whole
 
 log = logging.getLogger("rollout_proxy.dataplane")
 
@@ -249,10 +250,7 @@ class RelayedBody(Response):
         self.raw_headers = raw
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        await send(
-            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
-        )
-        await send({"type": "http.response.body", "body": self.body})
+        await send_whole(send, self.status_code, self.raw_headers, self.body)
 
 
 class RelayedStream(Response):

@@ -37,6 +37,7 @@ from proxy.metrics import Metrics
 from proxy.security.guard import Guard, error_response_parts
 from proxy.security.limits import BodyTooLarge, PromptLimits, too_large
 from proxy.shutdown import Shutdown
+from proxy.wire import send_whole
 
 log = logging.getLogger("rollout_proxy.hotpath")
 
@@ -161,8 +162,7 @@ class DataPath:
         status, headers, _ = error_response_parts(exc)
         body = orjson.dumps(self.render_error(exc))
         headers[1] = (b"content-length", str(len(body)).encode())
-        await send({"type": "http.response.start", "status": status, "headers": headers})
-        await send({"type": "http.response.body", "body": body})
+        await send_whole(send, status, headers, body)
 
 
 class ProxyApp(FastAPI):

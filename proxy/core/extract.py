@@ -111,19 +111,21 @@ def _stream_of(body: Mapping[str, Any]) -> bool:
 MAX_TOKEN_ID = 2**32 - 1
 
 
+# Packed little-endian uint32 ids 0 and 1: where a JSON true/false would pack too.
+_PACKED_ZERO_ONE = (b"\x00\x00\x00\x00", b"\x01\x00\x00\x00")
+
+
 def _has_bool(value: list[Any], packed: array[int]) -> bool:
     """Whether a JSON true/false hides among token ids ``packed`` accepted as 1/0 (bool is an
-    int subclass). Only positions holding 0 or 1 need a look, found by C-speed scans."""
-    for target in (0, 1):
-        start = 0
-        while True:
-            try:
-                at = packed.index(target, start)
-            except ValueError:
-                break
-            if type(value[at]) is bool:
+    int subclass). Only positions holding 0 or 1 need a look; they are found with bytes.find on
+    the packed ids (C speed; ``in`` on an array compares Python objects one by one)."""
+    data = packed.tobytes()  # "I" is 4 bytes wide on every platform CPython supports
+    for needle in _PACKED_ZERO_ONE:
+        at = data.find(needle)
+        while at >= 0:
+            if at % 4 == 0 and type(value[at // 4]) is bool:
                 return True
-            start = at + 1
+            at = data.find(needle, at + 1)
     return False
 
 
