@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 import pytest
 
 from proxy.errors import UpstreamTimeout
-from proxy.pool import HIGH_WATER, LeanPool, LeanReply
+from proxy.pool import HIGH_WATER, JOIN_BELOW, LeanPool, LeanReply
 from proxy.upstream import ReplicaBroken, ReplicaUnreachable
 from tests.support.fake_vllm import FakeVllm
 from tests.support.servers import ServerThread, free_port
@@ -350,3 +350,22 @@ async def test_slow_client_pauses_the_replica_stream(monkeypatch: pytest.MonkeyP
     assert received == total
     assert pauses > 0
     assert most_buffered <= HIGH_WATER + 256 * 1024  # one socket read at most beyond the mark
+
+
+async def test_a_large_body_arrives_whole() -> None:
+    """Bodies above JOIN_BELOW are written apart from the head; the replica sees one request."""
+    large = json.dumps({"model": "tiny/base", "prompt": list(range(30_000))}).encode()
+    assert len(large) > JOIN_BELOW
+    seen: list[bytes] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        _, body = await read_request(reader)
+        seen.append(body)
+        writer.write(ok(b"{}"))
+        await writer.drain()
+
+    async with RawServer(handler) as url:
+        pool = make_pool()
+        reply = await pool.post(0, url, "/v1/completions", large, HEADERS, stream=False)
+        assert reply.status == 200
+    assert seen == [large]
