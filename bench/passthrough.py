@@ -1,9 +1,13 @@
 """The floor for a Python proxy: a bare ASGI app on uvicorn that forwards each POST to the next
-backend (round robin) with one shared aiohttp session, and relays status and body. No routing,
-no validation, no metrics: what uvicorn + aiohttp alone cost per request on this machine, to read
-rollout-proxy's overhead against (run_overhead's ``py-floor`` target).
+backend (round robin) and relays status and body. No routing, no validation, no metrics: what
+uvicorn plus an upstream client alone cost per request on this machine, to read rollout-proxy's
+overhead against (run_overhead's ``floor`` and ``floor-aiohttp`` targets).
 
     python -m bench.passthrough --port 8000 --backends http://127.0.0.1:8001,http://127.0.0.1:8002
+    python -m bench.passthrough --client aiohttp ...   # one shared aiohttp session instead
+
+``--client lean`` (default) uses the proxy's own upstream client (proxy/pool.py), so the floor
+moves with it; ``aiohttp`` is the previous floor.
 """
 
 from __future__ import annotations
@@ -14,62 +18,85 @@ import sys
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
 
-import aiohttp
-
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
+# (base URL, path, body) -> (status, content type, body)
+Forward = Callable[[str, str, bytes], Awaitable[tuple[int, bytes, bytes]]]
+
+JSON_HEADERS = {"content-type": "application/json"}
 
 
 class Passthrough:
-    def __init__(self, backends: Sequence[str]) -> None:
+    def __init__(self, backends: Sequence[str], client: str = "lean") -> None:
         if not backends:
             raise ValueError("at least one backend URL")
+        if client not in ("lean", "aiohttp"):
+            raise ValueError(f"unknown client {client!r}")
+        self.client = client
         self._next = itertools.cycle(backends)
-        self._session: aiohttp.ClientSession | None = None
+        self._forward: Forward | None = None
+        self._close: Callable[[], Awaitable[None]] | None = None
+
+    async def _start(self) -> None:
+        if self.client == "lean":
+            from proxy.pool import LeanPool
+
+            pool = LeanPool(connect_timeout=5, read_timeout=60, ssl_context=True, fixed_headers={})
+
+            async def forward_lean(base: str, path: str, body: bytes) -> tuple[int, bytes, bytes]:
+                reply = await pool.post(0, base, path, body, JSON_HEADERS, stream=False)
+                return reply.status, reply.headers.get("content-type", "").encode(), reply.body
+
+            self._forward, self._close = forward_lean, pool.aclose
+            return
+        import aiohttp
+
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+
+        async def forward_aiohttp(base: str, path: str, body: bytes) -> tuple[int, bytes, bytes]:
+            async with session.post(base + path, data=body, headers=JSON_HEADERS) as resp:
+                data = await resp.read()
+                return resp.status, resp.headers.get("Content-Type", "").encode(), data
+
+        self._forward, self._close = forward_aiohttp, session.close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
             while True:
                 message = await receive()
                 if message["type"] == "lifespan.startup":
-                    connector = aiohttp.TCPConnector(limit=0)
-                    self._session = aiohttp.ClientSession(connector=connector)
+                    await self._start()
                     await send({"type": "lifespan.startup.complete"})
                 elif message["type"] == "lifespan.shutdown":
-                    if self._session is not None:
-                        await self._session.close()
+                    if self._close is not None:
+                        await self._close()
                     await send({"type": "lifespan.shutdown.complete"})
                     return
-        assert scope["type"] == "http" and self._session is not None
+        assert scope["type"] == "http" and self._forward is not None
         chunks = []
         more = True
         while more:
             message = await receive()
             chunks.append(message.get("body", b""))
             more = message.get("more_body", False)
-        url = next(self._next) + scope["path"]
-        headers = {"Content-Type": "application/json"}
-        async with self._session.request(
-            scope["method"], url, data=b"".join(chunks), headers=headers
-        ) as resp:
-            body = await resp.read()
-            out_headers = [(b"content-type", resp.headers.get("Content-Type", "").encode())]
-            await send(
-                {"type": "http.response.start", "status": resp.status, "headers": out_headers}
-            )
-            await send({"type": "http.response.body", "body": body})
+        status, ctype, body = await self._forward(next(self._next), scope["path"], b"".join(chunks))
+        headers = [(b"content-type", ctype), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.passthrough", description=__doc__)
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--backends", required=True, help="comma-separated base URLs")
+    p.add_argument("--client", choices=("lean", "aiohttp"), default="lean")
     args = p.parse_args(argv)
     import uvicorn
 
-    app = Passthrough([u.strip().rstrip("/") for u in args.backends.split(",") if u.strip()])
+    backends = [u.strip().rstrip("/") for u in args.backends.split(",") if u.strip()]
+    app = Passthrough(backends, args.client)
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
     return 0
 

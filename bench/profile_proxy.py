@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import subprocess
 import sys
 import tempfile
@@ -25,7 +24,7 @@ from pathlib import Path
 
 from bench.procs import REPO, find_tool, free_port, managed, wait_http
 from bench.report import table
-from bench.run_overhead import WRK_LUA, backend_conf, completion_request
+from bench.run_overhead import BODIES, WRK_LUA, backend_conf, bodies
 
 DEFAULT_OUT = REPO / "bench" / "results"
 
@@ -34,10 +33,16 @@ BUCKETS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("logging (log records, formatting, stream writes)", ("logging/",)),
     ("prometheus_client (metrics updates)", ("prometheus_client/",)),
     ("httpx / httpx-aiohttp / aiohttp client (upstream call)", ("httpx", "aiohttp/client")),
-    ("JSON / body handling in proxy.core.extract", ("proxy/core/extract", "json/")),
+    ("lean upstream client (proxy/pool.py)", ("proxy/pool",)),
+    ("JSON / body handling in proxy.core.extract", ("proxy/core/extract", "json/", "orjson")),
     ("hashing + prefix index + policy (proxy.core)", ("proxy/core/",)),
     ("FastAPI / Starlette request handling", ("fastapi/", "starlette/")),
+    (
+        "data path: guard, parse, retry loop, answer (hotpath, dataplane, security)",
+        ("proxy/hotpath", "proxy/dataplane", "proxy/security", "proxy/relay"),
+    ),
     ("uvicorn HTTP server (httptools protocol)", ("uvicorn/",)),
+    ("asyncio event loop and socket transports", ("asyncio/",)),
 )
 
 
@@ -85,6 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--env", action="append", default=[], help="KEY=VALUE for the proxy")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--body", choices=BODIES, default="distinct64", help="workload (distinct64)")
     args = p.parse_args(argv)
     tools = {t: find_tool(t) for t in ("nginx", "wrk", "py-spy")}
     missing = [t for t, path in tools.items() if path is None]
@@ -114,11 +120,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv_proxy = [sys.executable, "-m", "proxy", "--replicas", urls, "--port", str(port)]
         proxy = st.enter_context(managed("proxy", argv_proxy, log_dir / "prof-proxy.log", env))
         url = f"http://127.0.0.1:{port}"
-        body = json.dumps(completion_request(False))
-        wait_http(url + "/v1/completions", 60, proc=proxy, method="POST", body=body.encode())
-        (tmp / "body.json").write_text(body)
+        lines = bodies(args.body, text_prompt=False)
+        wait_http(url + "/v1/completions", 60, proc=proxy, method="POST", body=lines[0].encode())
+        (tmp / "body.jsonl").write_text("\n".join(lines) + "\n")
         script = tmp / "wrk.lua"
-        script.write_text(WRK_LUA.format(body_path=tmp / "body.json"))
+        script.write_text(WRK_LUA.format(body_path=tmp / "body.jsonl"))
         wrk_argv = [str(tools["wrk"]), "-t1", "-c64", f"-d{args.duration + 3}s", "--timeout", "10s"]
         wrk_argv += ["-s", str(script)]
         load = subprocess.Popen(
@@ -155,7 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     md = ["# Where rollout-proxy's CPU goes (py-spy, wrk -c64)\n\n"]
     md.append(
         f"`python -m bench.profile_proxy {' '.join(sys.argv[1:] if argv is None else argv)}`; "
-        f"proxy env {env or '{}'}; {total} samples at 100 Hz over {args.duration} s of load "
+        f"proxy env {env or '{}'}; workload `{args.body}`; {total} samples at 100 Hz over "
+        f"{args.duration} s of load "
         f"(idle event-loop waits excluded). wrk: `{summary}`.\n\n"
     )
     md.append("## By component (innermost match on each stack)\n\n")

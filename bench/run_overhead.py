@@ -1,18 +1,25 @@
 """Proxy overhead: requests/s, added latency and CPU per request of each router in front of fast
-fake backends, all in one run.
+fake backends, all in one run, with ratios to vllm-router's.
 
     python -m bench.run_overhead                  # -> bench/results/overhead.md
     python -m bench.run_overhead --smoke --out /tmp/o
 
 Backends: one nginx serving two fake vLLM replicas (fixed /v1/completions answer, /health,
-/v1/models, /server_info, /metrics) on 127.0.0.1. Load: wrk (its own process) posting a TRL-shaped
-body with a 512-token token-id prompt. For each target: requests/s at 64 connections, p50/p99
-latency at 8 connections (added = minus the direct figure), and the target's CPU time per request
-(utime+stime of its process tree from /proc, over the 64-connection run, divided by requests).
+/v1/models, /server_info, /metrics) on 127.0.0.1. Load: wrk (its own process) posting TRL-shaped
+bodies with 512-token token-id prompts, two workloads: ``repeated`` (one body, every request the
+same prompt) and ``distinct64`` (64 distinct prompts cycled: every request hashes a prompt the
+router has seen 1/64 as often, closer to a run's rollouts). For each target and workload:
+requests/s at 64 connections, p50/p99 latency at 1 connection (added = minus the direct figure),
+and the target's CPU time per request (utime+stime of its process tree from /proc, over the
+64-connection run, divided by requests).
 
-Targets: direct (wrk -> backend), rollout-proxy (aiohttp transport, the default, and httpx's own
-transport), vllm-router, sglang-router, nginx as a pass-through proxy (the floor for any proxy
-process), and a bare uvicorn + aiohttp pass-through (the floor for a Python one).
+The machine is shared: every target is started first, then the runs are interleaved (round r
+runs every target once, in turn), and each figure is the median over the rounds.
+
+Targets: direct (wrk -> backend), rollout-proxy (the lean client, the default; aiohttp; httpx's
+own transport on request), vllm-router, sglang-router, nginx as a pass-through proxy (the floor
+for any proxy process), and bare uvicorn pass-throughs with the lean client and with aiohttp (the
+floors for a Python one, bench/passthrough.py).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import json
 import math
 import random
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -51,17 +59,22 @@ PROMPT_TOKENS = 512
 # purpose: the benchmark isolates per-request overhead from body size.
 COMPLETION_TOKENS = 16
 
-# Targets from the issue.
-TARGET_CPU_US = 120.0
+# Workloads: one body repeated, or this many distinct prompts cycled.
+DISTINCT_PROMPTS = 64
+BODIES = ("repeated", "distinct64")
+# Targets from issue 12, as ratios to vllm-router's figures in the same run.
+TARGET_CPU_RATIO = 0.6
+AIM_CPU_RATIO = 0.5
 
 
 @dataclass(frozen=True)
 class Target:
     name: str
     description: str
-    kind: str  # direct | proxy | vllm-router | sglang-router | nginx
+    kind: str  # direct | proxy | vllm-router | sglang-router | nginx | py-floor
     env: dict[str, str] = field(default_factory=dict)
     text_prompt: bool = False
+    args: tuple[str, ...] = ()
 
     def unavailable(self) -> str | None:
         tool = {"vllm-router": "vllm-router", "sglang-router": "sglang-router", "nginx": "nginx"}
@@ -77,7 +90,13 @@ TARGETS: dict[str, Target] = {
         Target("direct", "wrk -> fake backend, no proxy", "direct"),
         Target(
             "proxy",
-            "rollout-proxy, defaults (PROXY_UPSTREAM_TRANSPORT=aiohttp)",
+            "rollout-proxy, defaults (PROXY_UPSTREAM_TRANSPORT=lean)",
+            "proxy",
+            {"PROXY_UPSTREAM_TRANSPORT": "lean"},
+        ),
+        Target(
+            "proxy-aiohttp",
+            "rollout-proxy, PROXY_UPSTREAM_TRANSPORT=aiohttp",
             "proxy",
             {"PROXY_UPSTREAM_TRANSPORT": "aiohttp"},
         ),
@@ -96,12 +115,21 @@ TARGETS: dict[str, Target] = {
         ),
         Target("nginx", "nginx pass-through (proxy_pass, upstream keepalive)", "nginx"),
         Target(
+            "floor",
+            "bare ASGI app on uvicorn + the lean client (proxy/pool.py), round robin",
             "py-floor",
-            "bare ASGI app on uvicorn + one aiohttp session, round robin (bench/passthrough.py)",
+            args=("--client", "lean"),
+        ),
+        Target(
+            "floor-aiohttp",
+            "bare ASGI app on uvicorn + one aiohttp session, round robin",
             "py-floor",
+            args=("--client", "aiohttp"),
         ),
     )
 }
+# httpx's own transport costs ~10x the others (2,670 us/request last measured): on request only.
+DEFAULT_TARGETS = [n for n in TARGETS if n != "proxy-httpx"]
 
 
 @dataclass
@@ -120,19 +148,38 @@ class WrkResult:
 @dataclass
 class Measurement:
     target: str
+    body: str
     description: str
     status: str = "ok"
     reason: str = ""
     rps_64: float = math.nan
-    p50_8_us: float = math.nan
-    p99_8_us: float = math.nan
+    p50_1_us: float = math.nan
+    p99_1_us: float = math.nan
     cpu_us_per_req: float = math.nan
     errors: int = 0
     requests: int = 0
+    samples: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(self, name: str, value: float) -> None:
+        self.samples.setdefault(name, []).append(value)
+
+    def settle(self) -> None:
+        """Each figure: the median of its rounds."""
+        for name in ("rps_64", "p50_1_us", "p99_1_us", "cpu_us_per_req"):
+            values = [v for v in self.samples.get(name, []) if math.isfinite(v)]
+            setattr(self, name, statistics.median(values) if values else math.nan)
 
 
 # --------------------------------------------------------------------------------------------
 # Payloads and configs.
+
+
+def bodies(kind: str, text_prompt: bool) -> list[str]:
+    """The workload's request bodies, one JSON document per line (what the wrk script reads)."""
+    seeds = range(DISTINCT_PROMPTS) if kind == "distinct64" else range(1)
+    return [
+        json.dumps(completion_request(text_prompt, seed), separators=(",", ":")) for seed in seeds
+    ]
 
 
 def completion_request(text_prompt: bool, seed: int = 0) -> dict[str, object]:
@@ -298,10 +345,21 @@ http {{
 """
 
 
+# Bodies: one JSON document per line of {body_path}, cycled; requests are formatted once.
 WRK_LUA = """
 wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
-wrk.body = io.open("{body_path}"):read("*a")
+local prepared = {{}}
+local next_one = 0
+init = function(args)
+  for line in io.lines("{body_path}") do
+    if #line > 0 then prepared[#prepared + 1] = wrk.format(nil, nil, nil, line) end
+  end
+end
+request = function()
+  next_one = next_one % #prepared + 1
+  return prepared[next_one]
+end
 done = function(summary, latency, requests)
   local e = summary.errors
   io.write(string.format(
@@ -372,6 +430,7 @@ def _launch(
             str(port),
             "--backends",
             ",".join(urls),
+            *target.args,
         ]
         proc = stack.enter_context(managed(target.name, argv, log))
     elif target.kind == "nginx":
@@ -390,146 +449,198 @@ def _launch(
     return url, proc
 
 
-def measure(
-    target: Target,
+@dataclass
+class Running:
+    """A started target: its URL, process (None: direct) and one wrk script per workload."""
+
+    target: Target
+    url: str
+    proc: ManagedProcess | None
+    scripts: dict[str, Path]
+
+
+def start_targets(
+    names: Sequence[str],
+    body_kinds: Sequence[str],
     backend_ports: Sequence[int],
-    backend_proc: ManagedProcess,
-    wrk: str,
     tmp: Path,
     log_dir: Path,
+    stack: contextlib.ExitStack,
+) -> tuple[dict[str, Running], dict[tuple[str, str], Measurement]]:
+    """Start every target up front (idle ones cost nothing), so that runs can interleave."""
+    running: dict[str, Running] = {}
+    rows: dict[tuple[str, str], Measurement] = {}
+    for name in names:
+        target = TARGETS[name]
+        for kind in body_kinds:
+            rows[(name, kind)] = Measurement(name, kind, target.description)
+        reason = target.unavailable()
+        if reason is None:
+            try:
+                url, proc = _launch(target, backend_ports, tmp, log_dir, stack)
+            except Exception as exc:  # keep measuring the others
+                reason = f"did not start: {exc}"
+        if reason is not None:
+            for kind in body_kinds:
+                rows[(name, kind)].status = "skipped" if "not found" in reason else "failed"
+                rows[(name, kind)].reason = reason
+            continue
+        scripts = {}
+        for kind in body_kinds:
+            body_path = tmp / f"body-{name}-{kind}.jsonl"
+            body_path.write_text("\n".join(bodies(kind, target.text_prompt)) + "\n")
+            script = tmp / f"wrk-{name}-{kind}.lua"
+            script.write_text(WRK_LUA.format(body_path=body_path))
+            scripts[kind] = script
+        running[name] = Running(target, url, proc, scripts)
+    return running, rows
+
+
+def run_round(
+    run: Running,
+    kind: str,
+    m: Measurement,
+    backend_proc: ManagedProcess,
+    wrk: str,
     duration_s: float,
-    repeats: int,
-) -> Measurement:
-    m = Measurement(target.name, target.description)
-    reason = target.unavailable()
-    if reason is not None:
-        m.status, m.reason = "skipped", reason
-        return m
-    body_path = tmp / f"body-{target.name}.json"
-    body_path.write_text(json.dumps(completion_request(target.text_prompt)))
-    script = tmp / f"wrk-{target.name}.lua"
-    script.write_text(WRK_LUA.format(body_path=body_path))
-    with contextlib.ExitStack() as stack:
-        url, proc = _launch(target, backend_ports, tmp, log_dir, stack)
-        watched = proc if proc is not None else backend_proc
-        run_wrk(wrk, url, script, 8, 1)  # warm-up: connections, JIT-less caches, pools
-        best_rps: WrkResult | None = None
-        best_cpu = math.inf
-        best_lat: WrkResult | None = None
-        for _ in range(repeats):
-            cpu0 = watched.cpu_seconds()
-            r64 = run_wrk(wrk, url, script, 64, duration_s)
-            cpu1 = watched.cpu_seconds()
-            m.errors += r64.errors
-            m.requests += r64.requests
-            if r64.requests:
-                best_cpu = min(best_cpu, (cpu1 - cpu0) / r64.requests * 1e6)
-            if best_rps is None or r64.rps > best_rps.rps:
-                best_rps = r64
-            r8 = run_wrk(wrk, url, script, 8, duration_s)
-            m.errors += r8.errors
-            m.requests += r8.requests
-            if best_lat is None or r8.p50_us < best_lat.p50_us:
-                best_lat = r8
-        if proc is not None and not proc.alive():
-            m.status, m.reason = "failed", f"exited during the run; {proc.tail()}"
-    assert best_rps is not None and best_lat is not None
-    m.rps_64 = best_rps.rps
-    m.p50_8_us = best_lat.p50_us
-    m.p99_8_us = best_lat.p99_us
-    m.cpu_us_per_req = best_cpu
-    if m.errors:
-        m.reason = f"{m.errors} of {m.requests} requests failed (non-2xx or socket errors)"
-    return m
+    latency_s: float,
+) -> None:
+    """One round for one target and workload: 64 connections (rps, CPU), then 1 (latency)."""
+    watched = run.proc if run.proc is not None else backend_proc
+    script = run.scripts[kind]
+    cpu0 = watched.cpu_seconds()
+    r64 = run_wrk(wrk, run.url, script, 64, duration_s)
+    cpu1 = watched.cpu_seconds()
+    m.errors += r64.errors
+    m.requests += r64.requests
+    m.add("rps_64", r64.rps)
+    if r64.requests:
+        m.add("cpu_us_per_req", (cpu1 - cpu0) / r64.requests * 1e6)
+    r1 = run_wrk(wrk, run.url, script, 1, latency_s)
+    m.errors += r1.errors
+    m.requests += r1.requests
+    m.add("p50_1_us", r1.p50_us)
+    m.add("p99_1_us", r1.p99_us)
+
+
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b and math.isfinite(a) and math.isfinite(b) else math.nan
+
+
+def against_targets(rows: Sequence[Measurement], kind: str) -> list[str]:
+    """The issue's three targets for one workload, as report lines."""
+    by = {r.target: r for r in rows if r.body == kind and r.status == "ok"}
+    ours, vr, direct = by.get("proxy"), by.get("vllm-router"), by.get("direct")
+    lines: list[str] = []
+    if ours is None or vr is None:
+        return ["- needs both `proxy` and `vllm-router` rows\n"]
+    cpu_ratio = _ratio(ours.cpu_us_per_req, vr.cpu_us_per_req)
+    lines.append(
+        f"- CPU per routed request: proxy {fmt(ours.cpu_us_per_req, 0)} us vs vllm-router "
+        f"{fmt(vr.cpu_us_per_req, 0)} us = {fmt(cpu_ratio, 2)}x (target <= "
+        f"{TARGET_CPU_RATIO}x: {_verdict(cpu_ratio <= TARGET_CPU_RATIO)}; aim {AIM_CPU_RATIO}x: "
+        f"{_verdict(cpu_ratio <= AIM_CPU_RATIO)})\n"
+    )
+    lines.append(
+        f"- requests/s at 64 connections: proxy {fmt(ours.rps_64, 0)} vs vllm-router "
+        f"{fmt(vr.rps_64, 0)} = {fmt(_ratio(ours.rps_64, vr.rps_64), 2)}x (target >= 1: "
+        f"{_verdict(ours.rps_64 >= vr.rps_64)})\n"
+    )
+    if direct is not None:
+        ours_add = ours.p50_1_us - direct.p50_1_us
+        vr_add = vr.p50_1_us - direct.p50_1_us
+        lines.append(
+            f"- added p50 at 1 connection: proxy {fmt(ours_add, 0)} us vs vllm-router "
+            f"{fmt(vr_add, 0)} us (target <= vllm-router's: {_verdict(ours_add <= vr_add)})\n"
+        )
+    floor = by.get("floor")
+    if floor is not None:
+        lines.append(
+            f"- the lean Python floor (bare uvicorn + the lean client, no routing): "
+            f"{fmt(floor.cpu_us_per_req, 0)} us CPU/request; rollout-proxy spends "
+            f"{fmt(ours.cpu_us_per_req - floor.cpu_us_per_req, 0)} us/request above it "
+            "(overhead_profile.md says where)\n"
+        )
+    return lines
 
 
 def write_report(
-    rows: Sequence[Measurement], out: Path, command: str, duration_s: float, repeats: int
+    rows: Sequence[Measurement],
+    out: Path,
+    command: str,
+    duration_s: float,
+    latency_s: float,
+    repeats: int,
 ) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     machine = machine_description()
-    direct = next((r for r in rows if r.target == "direct" and r.status == "ok"), None)
     headers = [
         "target",
         "rps @64",
-        "rps / direct",
-        "p50 @8 (us)",
-        "p99 @8 (us)",
-        "added p50 (us)",
-        "added p99 (us)",
+        "rps / vllm-router",
+        "p50 @1 (us)",
+        "p99 @1 (us)",
+        "added p50 @1 (us)",
         "CPU / request (us)",
+        "CPU / vllm-router",
         "errors",
         "what",
     ]
-    table_rows = []
-    for r in rows:
-        if r.status == "skipped":
-            table_rows.append([r.target, "skipped: " + r.reason] + ["-"] * 8)
-            continue
-        ratio = r.rps_64 / direct.rps_64 if direct else math.nan
-        add50 = r.p50_8_us - direct.p50_8_us if direct and r.target != "direct" else math.nan
-        add99 = r.p99_8_us - direct.p99_8_us if direct and r.target != "direct" else math.nan
-        table_rows.append(
-            [
-                r.target,
-                fmt(r.rps_64, 0),
-                fmt(ratio, 3),
-                fmt(r.p50_8_us, 0),
-                fmt(r.p99_8_us, 0),
-                fmt(add50, 0),
-                fmt(add99, 0),
-                fmt(r.cpu_us_per_req, 0),
-                f"{r.errors}/{r.requests}",
-                r.description,
-            ]
-        )
     md = ["# Proxy overhead: rollout-proxy vs the alternatives\n\n"]
     md.append(
         f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} with `{command}`. "
         f"Machine: {machine['nproc']} cores ({machine['cpu']}), {machine['memory']}, shared with "
-        "other jobs (best of "
-        f"{repeats} runs of {duration_s:.0f} s per figure). wrk (1 thread), the backend nginx "
-        "(1 worker) and the target share the cores, so absolute figures are this machine's; "
-        "compare ratios.\n\n"
+        f"other jobs. Every target ran in each of {repeats} interleaved rounds ({duration_s:.0f} s "
+        f"at 64 connections, {latency_s:.0f} s at 1); each figure is the median of its rounds. "
+        "wrk (1 thread), the backend nginx (1 worker) and the target share the cores, so "
+        "absolute figures are this machine's; compare ratios.\n"
     )
-    md.append(table(headers, table_rows))
-    ours = next((r for r in rows if r.target == "proxy" and r.status == "ok"), None)
-    vr = next((r for r in rows if r.target == "vllm-router" and r.status == "ok"), None)
-    md.append("\n## Against the targets\n\n")
-    if ours is not None:
-        md.append(
-            f"- proxy CPU per routed request: {fmt(ours.cpu_us_per_req, 0)} us (target <= "
-            f"{TARGET_CPU_US:.0f}: {'met' if ours.cpu_us_per_req <= TARGET_CPU_US else 'MISSED'})\n"
-        )
-        if vr is not None:
-            md.append(
-                f"- requests/s at 64 connections: proxy {fmt(ours.rps_64, 0)} vs vllm-router "
-                f"{fmt(vr.rps_64, 0)} (target >= vllm-router: "
-                f"{'met' if ours.rps_64 >= vr.rps_64 else 'MISSED'})\n"
+    kinds = [k for k in BODIES if any(r.body == k for r in rows)]
+    for kind in kinds:
+        these = [r for r in rows if r.body == kind]
+        direct = next((r for r in these if r.target == "direct" and r.status == "ok"), None)
+        vr = next((r for r in these if r.target == "vllm-router" and r.status == "ok"), None)
+        table_rows = []
+        for r in these:
+            if r.status != "ok":
+                table_rows.append([r.target, f"{r.status}: {r.reason}"] + ["-"] * 8)
+                continue
+            add50 = r.p50_1_us - direct.p50_1_us if direct and r.target != "direct" else math.nan
+            table_rows.append(
+                [
+                    r.target,
+                    fmt(r.rps_64, 0),
+                    fmt(_ratio(r.rps_64, vr.rps_64) if vr else math.nan, 2),
+                    fmt(r.p50_1_us, 0),
+                    fmt(r.p99_1_us, 0),
+                    fmt(add50, 0),
+                    fmt(r.cpu_us_per_req, 0),
+                    fmt(_ratio(r.cpu_us_per_req, vr.cpu_us_per_req) if vr else math.nan, 2),
+                    f"{r.errors}/{r.requests}",
+                    r.description,
+                ]
             )
-    floor = next((r for r in rows if r.target == "py-floor" and r.status == "ok"), None)
-    if ours is not None and floor is not None:
-        md.append(
-            "- the Python floor (bare uvicorn + aiohttp, no routing): "
-            f"{fmt(floor.cpu_us_per_req, 0)} us CPU/request, {fmt(floor.rps_64, 0)} rps; "
-            "rollout-proxy spends "
-            f"{fmt(ours.cpu_us_per_req - floor.cpu_us_per_req, 0)} us/request above it "
-            "(see overhead_profile.md for where)\n"
+        title = (
+            "one body repeated"
+            if kind == "repeated"
+            else f"{DISTINCT_PROMPTS} distinct prompts cycled"
         )
-    httpx_row = next((r for r in rows if r.target == "proxy-httpx" and r.status == "ok"), None)
-    if ours is not None and httpx_row is not None:
-        md.append(
-            f"- upstream transport: aiohttp (httpx-aiohttp) {fmt(ours.rps_64, 0)} rps, "
-            f"{fmt(ours.cpu_us_per_req, 0)} us CPU/request; httpx's own "
-            f"{fmt(httpx_row.rps_64, 0)} rps, {fmt(httpx_row.cpu_us_per_req, 0)} us CPU/request\n"
-        )
+        md.append(f"\n## Workload `{kind}`: {title}\n\n")
+        md.append(table(headers, table_rows))
+        md.append("\nAgainst issue 12's targets:\n\n")
+        md.extend(against_targets(rows, kind))
     md.append("\n## Method\n\n")
     md.append(
-        f"- Body: TRL's rollout request with a {PROMPT_TOKENS}-token token-id prompt "
-        f"(sglang-router gets the same ids as one string: it answers 422 to token-id prompts). "
+        f"- Bodies: TRL's rollout request with a {PROMPT_TOKENS}-token token-id prompt; "
+        f"`repeated` sends one body, `distinct64` cycles {DISTINCT_PROMPTS} distinct prompts "
+        "(sglang-router gets the same ids as one string: it answers 422 to token-id prompts). "
         f"Answer: a fixed {COMPLETION_TOKENS}-token completion with logprobs from nginx "
         "`return 200`.\n"
-        "- requests/s: wrk -t1 -c64; latency: wrk -t1 -c8 (wrk's own percentiles). Added latency "
+        "- requests/s: wrk -t1 -c64; latency: wrk -t1 -c1 (wrk's own percentiles). Added latency "
         "= target minus direct at the same percentile.\n"
         "- CPU / request: utime+stime of the target's whole process tree (/proc/<pid>/stat, all "
         "threads and children) across the 64-connection run, divided by the requests wrk "
@@ -546,26 +657,16 @@ def write_report(
     return out / "overhead.md"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.run_overhead", description=__doc__)
-    p.add_argument("--smoke", action="store_true", help="1-second runs, seconds in all")
-    p.add_argument("--targets", default=",".join(TARGETS), help=f"from {list(TARGETS)}")
-    p.add_argument("--duration", type=float, default=None, help="seconds per wrk run (5)")
-    p.add_argument("--repeats", type=int, default=None, help="runs per figure, best kept (2)")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    args = p.parse_args(argv)
-    names = [x for x in args.targets.split(",") if x]
-    unknown = [n for n in names if n not in TARGETS]
-    if unknown:
-        p.error(f"unknown target(s) {unknown}; known: {list(TARGETS)}")
-    duration = args.duration or (1.0 if args.smoke else 5.0)
-    repeats = args.repeats or (1 if args.smoke else 2)
-    wrk, nginx = find_tool("wrk"), find_tool("nginx")
-    if wrk is None or nginx is None:
-        print("run_overhead needs wrk and nginx (apt-get install -y nginx wrk)", file=sys.stderr)
-        return 2
-    log_dir = args.out / "tmp" / "logs"  # bench/results/tmp/ is git-ignored
-    rows: list[Measurement] = []
+def measure_all(
+    names: Sequence[str],
+    body_kinds: Sequence[str],
+    wrk: str,
+    nginx: str,
+    log_dir: Path,
+    duration_s: float,
+    latency_s: float,
+    repeats: int,
+) -> list[Measurement]:
     with tempfile.TemporaryDirectory(prefix="rollout-bench-") as tmp_name:
         tmp = Path(tmp_name)
         tmp.chmod(0o755)  # nginx workers drop privileges when started as root
@@ -573,37 +674,77 @@ def main(argv: Sequence[str] | None = None) -> int:
         prefix = tmp / "backend"
         prefix.mkdir()
         (prefix / "nginx.conf").write_text(backend_conf(prefix, backend_ports))
-        argv_backend = [
-            nginx,
-            "-p",
-            str(prefix),
-            "-c",
-            str(prefix / "nginx.conf"),
-            "-g",
-            "daemon off;",
-        ]
-        with managed("backend-nginx", argv_backend, log_dir / "overhead-backend.log") as backend:
+        argv_backend = [nginx, "-p", str(prefix), "-c", str(prefix / "nginx.conf")]
+        argv_backend += ["-g", "daemon off;"]
+        with (
+            managed("backend-nginx", argv_backend, log_dir / "overhead-backend.log") as backend,
+            contextlib.ExitStack() as stack,
+        ):
             for port in backend_ports:
                 wait_http(f"http://127.0.0.1:{port}/health", 10, proc=backend)
-            for name in names:
-                t0 = time.monotonic()
-                try:
-                    m = measure(
-                        TARGETS[name], backend_ports, backend, wrk, tmp, log_dir, duration, repeats
-                    )
-                except Exception as exc:  # keep measuring the others
-                    m = Measurement(name, TARGETS[name].description, "failed", f"{exc}")
-                rows.append(m)
-                print(
-                    f"{name:>14}: {m.status:7} rps@64 {fmt(m.rps_64, 0):>7} p50@8 "
-                    f"{fmt(m.p50_8_us, 0):>6} us p99@8 {fmt(m.p99_8_us, 0):>6} us cpu/req "
-                    f"{fmt(m.cpu_us_per_req, 0):>5} us errors {m.errors} "
-                    f"({time.monotonic() - t0:.0f} s)"
-                    + (f" [{m.reason[:200]}]" if m.reason else ""),
-                    flush=True,
-                )
+            running, rows = start_targets(names, body_kinds, backend_ports, tmp, log_dir, stack)
+            for kind in body_kinds:
+                for run in running.values():  # warm-up: connections, pools, caches
+                    with contextlib.suppress(Exception):
+                        run_wrk(wrk, run.url, run.scripts[kind], 8, 1)
+                for round_no in range(1, repeats + 1):
+                    for name, run in running.items():
+                        m = rows[(name, kind)]
+                        if m.status != "ok":
+                            continue
+                        try:
+                            run_round(run, kind, m, backend, wrk, duration_s, latency_s)
+                        except Exception as exc:
+                            m.status, m.reason = "failed", str(exc)
+                        last = {k: v[-1] for k, v in m.samples.items() if v}
+                        print(
+                            f"{kind:>10} round {round_no} {name:>14}: "
+                            f"rps@64 {fmt(last.get('rps_64', math.nan), 0):>7} "
+                            f"p50@1 {fmt(last.get('p50_1_us', math.nan), 0):>6} us "
+                            f"cpu/req {fmt(last.get('cpu_us_per_req', math.nan), 0):>5} us"
+                            + (f" [{m.reason[:200]}]" if m.reason else ""),
+                            flush=True,
+                        )
+            for name, run in running.items():
+                if run.proc is not None and not run.proc.alive():
+                    for kind in body_kinds:
+                        rows[(name, kind)].status = "failed"
+                        rows[(name, kind)].reason = f"exited during the run; {run.proc.tail()}"
+    for m in rows.values():
+        m.settle()
+        if m.errors and m.status == "ok":
+            m.reason = f"{m.errors} of {m.requests} requests failed (non-2xx or socket errors)"
+    return [rows[(n, k)] for k in body_kinds for n in names]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.run_overhead", description=__doc__)
+    p.add_argument("--smoke", action="store_true", help="1-second runs, seconds in all")
+    p.add_argument("--targets", default=",".join(DEFAULT_TARGETS), help=f"from {list(TARGETS)}")
+    p.add_argument("--bodies", default=",".join(BODIES), help=f"from {list(BODIES)}")
+    p.add_argument("--duration", type=float, default=None, help="seconds per 64-conn run (5)")
+    p.add_argument("--latency", type=float, default=None, help="seconds per 1-conn run (3)")
+    p.add_argument("--repeats", type=int, default=None, help="interleaved rounds, median (3)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = p.parse_args(argv)
+    names = [x for x in args.targets.split(",") if x]
+    unknown = [n for n in names if n not in TARGETS]
+    if unknown:
+        p.error(f"unknown target(s) {unknown}; known: {list(TARGETS)}")
+    kinds = [x for x in args.bodies.split(",") if x]
+    if not kinds or any(k not in BODIES for k in kinds):
+        p.error(f"--bodies: one or more of {list(BODIES)}")
+    duration = args.duration or (1.0 if args.smoke else 5.0)
+    latency = args.latency or (1.0 if args.smoke else 3.0)
+    repeats = args.repeats or (1 if args.smoke else 3)
+    wrk, nginx = find_tool("wrk"), find_tool("nginx")
+    if wrk is None or nginx is None:
+        print("run_overhead needs wrk and nginx (apt-get install -y nginx wrk)", file=sys.stderr)
+        return 2
+    log_dir = args.out / "tmp" / "logs"  # bench/results/tmp/ is git-ignored
+    rows = measure_all(names, kinds, wrk, nginx, log_dir, duration, latency, repeats)
     command = "python -m bench.run_overhead " + " ".join(sys.argv[1:] if argv is None else argv)
-    path = write_report(rows, args.out, command.strip(), duration, repeats)
+    path = write_report(rows, args.out, command.strip(), duration, latency, repeats)
     print(f"wrote {path}")
     return 0 if any(r.status == "ok" for r in rows) else 1
 

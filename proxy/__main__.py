@@ -1,4 +1,4 @@
-"""``rollout-proxy`` / ``python -m proxy``: settings -> uvicorn. No logic here."""
+"""``rollout-proxy`` / ``python -m proxy``: settings -> app -> server (proxy/server.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from pydantic import ValidationError
 from pydantic_settings import CliApp
 
 from proxy.logs import configure_logging
-from proxy.security import install_log_redaction, posture, settings_secrets
+from proxy.security.posture import posture
+from proxy.security.redaction import install_log_redaction, settings_secrets
 from proxy.settings import Settings
 
 log = logging.getLogger("rollout_proxy")
@@ -29,25 +30,11 @@ def main(argv: list[str] | None = None) -> None:
     for level, line in posture(settings):
         log.log(level, line)
 
-    import uvicorn
-
     from proxy.app import create_app
+    from proxy.server import serve
 
-    uvicorn.run(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        log_config=None,
-        access_log=False,
-        lifespan="on",
-        # Bounds the bytes h11 buffers for an incomplete request head (with httptools, uvicorn's
-        # default when installed, only the middleware's 431 check applies, after parsing).
-        h11_max_incomplete_event_size=settings.max_header_bytes,
-        server_header=False,
-        # The proxy never uses the client address, so uvicorn need not rewrite it from
-        # X-Forwarded-For on every request (1.6% of the proxy's CPU in the profile).
-        proxy_headers=False,
-    )
+    app = create_app(settings)
+    serve(app, settings, app.state.rt.shutdown)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
-"""HTTP routes: parse, call the core or the right edge component, translate errors. No logic.
+"""The application: the runtime it owns, and FastAPI's routes (probes, control plane, admin),
+each group in its own function. Completions are served before FastAPI sees them
+(proxy/hotpath.py); their routes are declared here for the OpenAPI schema only.
 
 ``create_app(settings, transport=None)``: ``transport`` lets tests put fake replicas behind the
 proxy through an ASGI transport without sockets.
@@ -8,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -30,25 +32,18 @@ from proxy.core.router import Router
 from proxy.dataplane import DataPlane
 from proxy.errors import InvalidRequest, NotSupported, ProxyError, UpstreamUnavailable
 from proxy.health import HealthMonitor
-from proxy.hotpath import EXTRACTORS, HotPath, parse_json, request_id
+from proxy.hotpath import DataPath, ProxyApp, parse_json
 from proxy.membership import Membership, describe
-from proxy.metrics import Metrics, status_label
+from proxy.metrics import Metrics
 from proxy.probes import Probes
 from proxy.relay import make_relay
-from proxy.security import (
-    CHAT_BODY,
-    COMPLETION_BODY,
-    LOAD_BODY,
-    UNLOAD_BODY,
-    AdapterRoots,
-    Guard,
-    PromptLimits,
-    SecurityMiddleware,
-    fleet_max_model_len,
-    redact,
-    settings_secrets,
-)
+from proxy.security.adapter_roots import AdapterRoots
+from proxy.security.guard import Guard, SecurityMiddleware
+from proxy.security.limits import PromptLimits, fleet_max_model_len
+from proxy.security.redaction import redact, settings_secrets
+from proxy.security.schemas import CHAT_BODY, COMPLETION_BODY, LOAD_BODY, UNLOAD_BODY
 from proxy.settings import Settings
+from proxy.shutdown import Shutdown
 from proxy.upstream import Upstream, tls_verify
 
 log = logging.getLogger("rollout_proxy")
@@ -77,6 +72,8 @@ class Runtime:
     probes: Probes
     membership: Membership
     tokenizer: Tokenizer | None
+    shutdown: Shutdown
+    guard: Guard
     routing_error: str | None = None
 
 
@@ -130,8 +127,9 @@ def build_runtime(settings: Settings, transport: httpx.AsyncBaseTransport | None
     health = HealthMonitor(settings, fleet, control, upstream, metrics)
     rt_holder: dict[str, Runtime] = {}
     relay = make_relay(settings, upstream, tls_verify(settings), transport is not None)
+    guard = Guard.from_settings(settings)
     data = DataPlane(
-        fleet, router, relay, metrics, control.eject, lambda: rt_holder["rt"].routing_error
+        fleet, router, relay, metrics, control.eject, lambda: rt_holder["rt"].routing_error, guard
     )
     rt = Runtime(
         settings,
@@ -145,6 +143,8 @@ def build_runtime(settings: Settings, transport: httpx.AsyncBaseTransport | None
         Probes(fleet, upstream, secrets),
         Membership(settings, fleet, control, health, metrics),
         _load_tokenizer(settings.tokenizer) if settings.tokenizer else None,
+        Shutdown(settings.shutdown_grace_s),
+        guard,
     )
     rt_holder["rt"] = rt
     return rt
@@ -182,7 +182,26 @@ def create_app(
     background: bool = True,
 ) -> FastAPI:
     rt = build_runtime(settings, transport)
+    app = ProxyApp(
+        title="rollout-proxy", lifespan=_lifespan(rt, background), docs_url=None, redoc_url=None
+    )
+    app.state.rt = rt
+    # Error messages echo replicas' own error text; a replica (or a gateway in front of it)
+    # could quote the token back, so every error body is redacted on its way out.
+    echo_secrets = tuple(settings_secrets(settings))
+    app.data_path = _data_path(rt, echo_secrets)
+    app.shutdown = rt.shutdown
+    _guard_routes(app, rt)
+    _error_handlers(app, rt, echo_secrets)
+    _data_routes(app, app.data_path)
+    _probe_routes(app, rt)
+    _control_routes(app, rt)
+    _single_replica_routes(app, rt)
+    _admin_routes(app, rt)
+    return app
 
+
+def _lifespan(rt: Runtime, background: bool) -> Callable[[FastAPI], Any]:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await rt.data.relay.start()
@@ -197,47 +216,40 @@ def create_app(
             await rt.data.relay.aclose()
             await rt.upstream.aclose()
 
-    app = FastAPI(title="rollout-proxy", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.rt = rt
+    return lifespan
 
-    # -- security: keys, canonical paths, size limits (proxy/security.py) --------------------
-    def _rejected(scope: Any, status: int) -> None:
-        route = _route_of(Request(scope))
-        rt.metrics.requests.labels(route, "none", status_label(status)).inc()
 
+def _data_path(rt: Runtime, echo_secrets: tuple[str, ...]) -> DataPath:
     limits = PromptLimits(
-        settings.max_prompt_tokens,
-        settings.max_batch_prompts,
+        rt.settings.max_prompt_tokens,
+        rt.settings.max_batch_prompts,
         lambda: fleet_max_model_len(r.max_model_len for r in rt.fleet.members()),
     )
-    # Error messages echo replicas' own error text; a replica (or a gateway in front of it)
-    # could quote the token back, so every error body is redacted on its way out.
-    echo_secrets = tuple(settings_secrets(settings))
-
-    # The hot routes skip FastAPI's own stack (proxy/hotpath.py). Added before the security
-    # middleware, so that security stays outermost and guards them too.
-    async def handle(
-        route: str, path: str, raw: bytes, headers: list[tuple[bytes, bytes]], started: float
-    ) -> Response:
-        """Parse, check and route one completion: shared by the hot path and the declared
-        routes below, so both behave the same."""
-        body = parse_json(raw)
-        key = EXTRACTORS[route](body, rt.tokenizer)
-        limits.check(body, key)
-        return await rt.data.forward(route, path, raw, key, request_id(headers), started)
-
-    app.add_middleware(
-        HotPath,
-        handle=handle,
-        metrics=rt.metrics,
-        render_error=lambda exc: redact(exc.to_body(), echo_secrets),
+    return DataPath(
+        rt.guard,
+        limits,
+        rt.data,
+        rt.metrics,
+        rt.tokenizer,
+        rt.shutdown,
+        lambda exc: redact(exc.to_body(), echo_secrets),
     )
-    app.add_middleware(SecurityMiddleware, guard=Guard.from_settings(settings), on_reject=_rejected)
-    # -- end security --------------------------------------------------------------------------
 
+
+def _guard_routes(app: FastAPI, rt: Runtime) -> None:
+    """Keys, canonical paths and size limits for FastAPI's routes (proxy/security/guard.py);
+    the data path applies the same guard itself."""
+
+    def rejected(scope: Any, status: int) -> None:
+        rt.metrics.count_request(_route_of(Request(scope)), "none", status)
+
+    app.add_middleware(SecurityMiddleware, guard=rt.guard, on_reject=rejected)
+
+
+def _error_handlers(app: FastAPI, rt: Runtime, echo_secrets: tuple[str, ...]) -> None:
     @app.exception_handler(ProxyError)
     async def proxy_error(request: Request, exc: ProxyError) -> JSONResponse:
-        rt.metrics.requests.labels(_route_of(request), "none", status_label(exc.status_code)).inc()
+        rt.metrics.count_request(_route_of(request), "none", exc.status_code)
         return JSONResponse(redact(exc.to_body(), echo_secrets), exc.status_code)
 
     @app.exception_handler(StarletteHTTPException)
@@ -261,26 +273,30 @@ def create_app(
         log.exception("unhandled error on %s", request.url.path)
         return JSONResponse(ProxyError("internal proxy error").to_body(), 500)
 
-    # -- data plane -------------------------------------------------------------------------
 
-    # Declared for the OpenAPI schema; requests to them are served by HotPath before FastAPI
-    # sees them, and would behave the same here.
-    async def _routed(request: Request, route: str, path: str) -> Response:
+def _data_routes(app: FastAPI, data_path: DataPath) -> None:
+    """Declared for the OpenAPI schema; ``ProxyApp`` serves these requests before FastAPI sees
+    them, and would behave the same here."""
+
+    async def routed(request: Request, route: str, path: str) -> Response:
         started = time.perf_counter()
-        return await handle(route, path, await request.body(), request.scope["headers"], started)
+        body = await request.body()
+        return await data_path.handle(route, path, body, request.scope["headers"], started)
 
     @app.post("/v1/completions", openapi_extra=COMPLETION_BODY)
     async def completions(request: Request) -> Response:
-        return await _routed(request, "completions", "/v1/completions")
+        return await routed(request, "completions", "/v1/completions")
 
     @app.post("/v1/chat/completions", openapi_extra=CHAT_BODY)
     async def chat_completions(request: Request) -> Response:
-        return await _routed(request, "chat_completions", "/v1/chat/completions")
+        return await routed(request, "chat_completions", "/v1/chat/completions")
 
-    # -- probes -----------------------------------------------------------------------------
 
+def _probe_routes(app: FastAPI, rt: Runtime) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
+        if rt.shutdown.draining:
+            return JSONResponse({"status": "shutting down"}, 503)
         status, body = await rt.probes.health()
         return JSONResponse(body, status)
 
@@ -310,8 +326,8 @@ def create_app(
             rt.metrics.index_evictions.inc(evicted)
         return Response(generate_latest(rt.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    # -- control plane ----------------------------------------------------------------------
 
+def _control_routes(app: FastAPI, rt: Runtime) -> None:
     @app.post("/v1/load_lora_adapter", openapi_extra=LOAD_BODY)
     async def load_lora_adapter(request: Request) -> Response:
         return _reply(await rt.control.load_adapter(await request.body()))
@@ -332,9 +348,12 @@ def create_app(
     async def reset_prefix_cache(request: Request) -> Response:
         return _reply(await rt.control.reset_prefix_cache(request.url.query))
 
-    # -- merged-weight (NCCL) sync: only meaningful with exactly one replica -------------------
 
-    async def _single_replica(request: Request) -> Response:
+def _single_replica_routes(app: FastAPI, rt: Runtime) -> None:
+    """TRL's merged-weight (NCCL) sync, meaningful with exactly one replica, and any other
+    ``/v1/*`` path, forwarded to one ready replica."""
+
+    async def single_replica(request: Request) -> Response:
         members = rt.fleet.members()
         if len(members) != 1:
             raise NotSupported(
@@ -343,9 +362,9 @@ def create_app(
                 "LoRA without DoRA or modules_to_save, rank <= --max-lora-rank, and vLLM "
                 "started with --enable-lora."
             )
-        return await _forward_one(request)
+        return await forward_one(request)
 
-    async def _forward_one(request: Request) -> Response:
+    async def forward_one(request: Request) -> Response:
         ready = [r for r in rt.fleet.members() if r.status is Status.READY]
         if not ready:
             raise UpstreamUnavailable("no replica is ready", status_code=503)
@@ -364,12 +383,25 @@ def create_app(
             headers["content-type"] = response.headers["content-type"]
         return Response(response.content, response.status_code, headers)
 
-    app.add_api_route("/get_world_size", _single_replica, methods=["GET"])
+    app.add_api_route("/get_world_size", single_replica, methods=["GET"])
     for path in NCCL_ENDPOINTS:
-        app.add_api_route(path, _single_replica, methods=["POST"])
+        app.add_api_route(path, single_replica, methods=["POST"])
 
-    # -- admin: fleet state and runtime membership --------------------------------------------
+    async def forward_other(request: Request, rest: str) -> Response:
+        return await forward_one(request)
 
+    # One route per method: a multi-method route gives every method the same OpenAPI operation
+    # id, and FastAPI warns on each /openapi.json (an error under the tests' warning filter).
+    for method in ("GET", "POST", "PUT", "DELETE", "PATCH"):
+        app.add_api_route(
+            "/v1/{rest:path}",
+            forward_other,
+            methods=[method],
+            name=f"forward_other_{method.lower()}",
+        )
+
+
+def _admin_routes(app: FastAPI, rt: Runtime) -> None:
     @app.get("/admin/fleet")
     async def fleet_state() -> JSONResponse:
         return JSONResponse(fleet_snapshot(rt))
@@ -392,21 +424,6 @@ def create_app(
     @app.delete("/admin/replicas/{index}")
     async def remove_replica(index: int, timeout_s: float = 60.0) -> JSONResponse:
         return JSONResponse(await rt.membership.remove(index, timeout_s))
-
-    async def forward_other(request: Request, rest: str) -> Response:
-        return await _forward_one(request)
-
-    # One route per method: a multi-method route gives every method the same OpenAPI operation
-    # id, and FastAPI warns on each /openapi.json (an error under the tests' warning filter).
-    for method in ("GET", "POST", "PUT", "DELETE", "PATCH"):
-        app.add_api_route(
-            "/v1/{rest:path}",
-            forward_other,
-            methods=[method],
-            name=f"forward_other_{method.lower()}",
-        )
-
-    return app
 
 
 def _route_of(request: Request) -> str:

@@ -14,22 +14,25 @@ semantics (control.py).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import orjson
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from proxy.core.extract import RoutingKey
 from proxy.core.fleet import Fleet, Replica, Status
 from proxy.core.policy import Decision
 from proxy.core.router import Router
 from proxy.errors import ModelNotFound, UpstreamUnavailable
-from proxy.metrics import Metrics, status_label
+from proxy.metrics import Metrics
 from proxy.relay import Relay, Reply
+from proxy.security.guard import Guard
 from proxy.upstream import ReplicaBroken, ReplicaUnreachable
+from proxy.wire import send_whole
 
 log = logging.getLogger("rollout_proxy.dataplane")
 
@@ -62,7 +65,11 @@ class DataPlane:
         metrics: Metrics,
         eject: Callable[[Replica, str], None],
         routing_error: Callable[[], str | None],
+        guard: Guard | None = None,
     ) -> None:
+        # The guard masks the upstream token should a replica ever echo it (the data path runs
+        # outside the security middleware that does this for FastAPI's routes).
+        self.guard = guard if guard is not None and guard.secrets else None
         self.fleet = fleet
         self.router = router
         self.relay = relay
@@ -87,11 +94,11 @@ class DataPlane:
 
     def _track(self, replica: Replica, delta: int) -> None:
         replica.in_flight += delta
-        self.metrics.inflight.labels(str(replica.index)).set(replica.in_flight)
+        self.metrics.inflight_for(str(replica.index)).set(replica.in_flight)
 
     async def forward(
         self, route: str, path: str, raw: bytes, key: RoutingKey, request_id: str, started: float
-    ) -> Response:
+    ) -> RelayedBody | RelayedStream:
         problem = self.routing_error()
         if problem:
             raise UpstreamUnavailable(problem)
@@ -105,7 +112,7 @@ class DataPlane:
             decision = self.router.route(
                 key, [(r.index, r.in_flight + r.queue_depth) for r in eligible], lora_path
             )
-            self.metrics.decisions.labels(decision.outcome).inc()
+            self.metrics.decision_for(decision.outcome).inc()
             self.metrics.matched_blocks.observe(decision.matched_blocks)
             replica = self.fleet.replicas[decision.replica]
             tried.add(replica.index)
@@ -151,7 +158,7 @@ class DataPlane:
             ):
                 await reply.close()
                 self._track(replica, -1)
-                self.metrics.requests.labels(route, label, status_label(reply.status)).inc()
+                self.metrics.count_request(route, label, reply.status)
                 log.warning(
                     "request %s: replica %d answered %d; retrying elsewhere",
                     request_id,
@@ -160,12 +167,12 @@ class DataPlane:
                 )
                 continue
             if key.stream and reply.status == 200:
-                return self._stream(route, replica, reply, request_id, sent_at, routed)
+                return RelayedStream(self, route, replica, reply, request_id, sent_at, routed)
             await reply.close()
             upstream_s = time.perf_counter() - sent_at
             self._track(replica, -1)
-            self.metrics.upstream_seconds.labels(route, label).observe(upstream_s)
-            self.metrics.requests.labels(route, label, status_label(reply.status)).inc()
+            self.metrics.upstream_for(route, label).observe(upstream_s)
+            self.metrics.count_request(route, label, reply.status)
             if reply.status == 200 and key.tokens is not None and key.num_prompts == 1:
                 self._remember_completion(key, decision, reply.body, lora_path)
             if log.isEnabledFor(logging.DEBUG):
@@ -188,10 +195,8 @@ class DataPlane:
                         "upstream_ms": round(upstream_s * 1e3, 2),
                     },
                 )
-            result = RelayedBody(reply, replica.index, request_id)
-            self.metrics.proxy_seconds.labels(route).observe(
-                time.perf_counter() - started - upstream_s
-            )
+            result = RelayedBody(reply, replica.index, request_id, self.guard)
+            self.metrics.proxy_for(route).observe(time.perf_counter() - started - upstream_s)
             return result
 
     def _remember_completion(
@@ -211,29 +216,19 @@ class DataPlane:
             # A malformed answer is the client's to see; routing just learns nothing from it.
             log.debug("could not index a completion: %s", exc)
 
-    def _stream(
-        self,
-        route: str,
-        replica: Replica,
-        reply: Reply,
-        request_id: str,
-        sent_at: float,
-        routed: float,
-    ) -> StreamingResponse:
-        label = str(replica.index)
+    def stream_finished(self, stream: RelayedStream) -> None:
+        label = str(stream.replica.index)
+        self._track(stream.replica, -1)
+        self.metrics.upstream_for(stream.route, label).observe(time.perf_counter() - stream.sent_at)
+        self.metrics.count_request(stream.route, label, stream.reply.status)
+        self.metrics.proxy_for(stream.route).observe(stream.routed)
 
-        async def finish() -> None:
-            self._track(replica, -1)
-            self.metrics.upstream_seconds.labels(route, label).observe(
-                time.perf_counter() - sent_at
-            )
-            self.metrics.requests.labels(route, label, status_label(reply.status)).inc()
-            self.metrics.proxy_seconds.labels(route).observe(routed)
-            await reply.close()
 
-        return _RelayedStream(
-            reply.chunks(), reply.status, _relay_headers(reply, replica.index, request_id), finish
-        )
+def _raw_headers(reply: Reply, replica: int, request_id: str) -> list[tuple[bytes, bytes]]:
+    return [
+        (name.encode("latin-1"), value.encode("latin-1"))
+        for name, value in _relay_headers(reply, replica, request_id).items()
+    ]
 
 
 class RelayedBody(Response):
@@ -241,42 +236,89 @@ class RelayedBody(Response):
     builds a header object model on every request, which cost more than routing the request
     in the profile; this is still a ``Response`` to anything that checks."""
 
-    def __init__(self, reply: Reply, replica: int, request_id: str) -> None:
+    def __init__(self, reply: Reply, replica: int, request_id: str, guard: Guard | None) -> None:
         # Deliberately not calling Response.__init__ (that is the cost being avoided).
         self.status_code = reply.status
-        self.body = reply.body
         self.background = None
-        raw = [
-            (name.encode("latin-1"), value.encode("latin-1"))
-            for name, value in _relay_headers(reply, replica, request_id).items()
-        ]
-        raw.append((b"content-length", str(len(reply.body)).encode()))
+        raw = _raw_headers(reply, replica, request_id)
+        body = reply.body
+        if guard is not None:
+            body = guard.mask_body(body)
+            raw = guard.mask_headers(raw)
+        self.body = body
+        raw.append((b"content-length", str(len(body)).encode()))
         self.raw_headers = raw
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        await send(
-            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
-        )
-        await send({"type": "http.response.body", "body": self.body})
+        await send_whole(send, self.status_code, self.raw_headers, self.body)
 
 
-class _RelayedStream(StreamingResponse):
-    """A relayed SSE stream whose upstream is closed, and in-flight count released, however the
-    response ends: finished, failed, or the client gone -- even before the first chunk, when
-    Starlette cancels the send before the body iterator ever ran its ``finally``."""
+class RelayedStream(Response):
+    """A relayed SSE stream, chunk by chunk as the replica sends them. The upstream is closed and
+    the in-flight count released however the response ends: finished, failed, or the client
+    gone (then the upstream connection is closed at once, which makes vLLM abort the request).
+
+    ``send`` waits while the client's socket buffer is full, and the relay does not read the
+    next chunk until it returns; the lean client then stops reading the replica (proxy/pool.py),
+    so a slow client slows its stream instead of growing the proxy's memory. Watching for the
+    client leaving takes a second task, started only for streams: a buffered answer is sent in
+    one go, and a client that left before it just misses it.
+    """
 
     def __init__(
         self,
-        content: AsyncIterator[bytes],
-        status_code: int,
-        headers: dict[str, str],
-        on_close: Callable[[], Awaitable[None]],
+        plane: DataPlane,
+        route: str,
+        replica: Replica,
+        reply: Reply,
+        request_id: str,
+        sent_at: float,
+        routed: float,
     ) -> None:
-        super().__init__(content, status_code, headers)
-        self._on_close = on_close
+        self.plane = plane
+        self.route = route
+        self.replica = replica
+        self.reply = reply
+        self.sent_at = sent_at
+        self.routed = routed
+        self.status_code = reply.status
+        self.background = None
+        self.raw_headers = _raw_headers(reply, replica.index, request_id)
+        if plane.guard is not None:
+            self.raw_headers = plane.guard.mask_headers(self.raw_headers)
+        self.client_left = False
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        task = asyncio.current_task()
+        watcher = asyncio.ensure_future(self._watch(receive, task))
+        guard = self.plane.guard
         try:
-            await super().__call__(scope, receive, send)
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": self.status_code,
+                    "headers": self.raw_headers,
+                }
+            )
+            async for chunk in self.reply.chunks():
+                if guard is not None:
+                    chunk = guard.mask_body(chunk)
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+        except asyncio.CancelledError:
+            if not self.client_left or task is None:
+                raise
+            task.uncancel()  # our own doing: the client is gone, nothing left to send
         finally:
-            await self._on_close()
+            watcher.cancel()
+            await self.reply.close()
+            self.plane.stream_finished(self)
+
+    async def _watch(self, receive: Any, task: asyncio.Task[Any] | None) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                self.client_left = True
+                if task is not None:
+                    task.cancel()
+                return

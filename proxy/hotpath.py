@@ -1,40 +1,46 @@
-"""The two hot routes, ``POST /v1/completions`` and ``POST /v1/chat/completions``, served as plain
-ASGI in front of FastAPI.
+"""The front door: ``POST /v1/completions`` and ``POST /v1/chat/completions`` served straight from
+the server's ASGI call, everything else handed to FastAPI.
 
 Every rollout crosses the proxy, so its CPU per request is the proxy's cost. Profiled under
-rollout traffic, FastAPI's own stack (exception, telemetry, body-limit and routing middlewares,
-dependency solving) took about a quarter of the proxy's CPU per completion, more than parsing,
-hashing and routing together. These two routes need none of it: they parse the body themselves,
-answer errors in the same OpenAI shape through the same ``ProxyError`` hierarchy, and are still
-declared on the FastAPI app so that they appear in the OpenAPI schema. Everything else goes to
-FastAPI unchanged. Security (keys, limits) wraps this dispatcher, so it applies to both.
+rollout traffic (issue 12), FastAPI's stack still wrapped the completions even when they skipped
+its routing: ``FastAPI.__call__`` was 86% inclusive, with its ServerError, ExceptionTelemetry and
+BodyLimit middlewares and the security middleware's send wrapper on every request. ``ProxyApp``
+is the FastAPI application, but its ``__call__`` looks at two strings first: a completion goes to
+``DataPath.serve`` with nothing in between; the control plane, probes, admin routes and the
+OpenAPI schema stay FastAPI's.
+
+``DataPath.serve`` applies exactly what the stack applied: the security guard (header size,
+canonical path, key, declared and actual body size; proxy/security/guard.py), parsing and prompt
+limits, routing and retries (proxy/dataplane.py), the upstream token masked out of answers, the
+same OpenAI-shaped, redacted errors and the same metrics. The request's way, file by file:
+hotpath (guard, parse) -> dataplane (route, retry) -> relay/pool (upstream) -> dataplane (answer).
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Callable
 from typing import Any
 
 import orjson
-from starlette.responses import JSONResponse
+from fastapi import FastAPI
 
+from proxy.asgi import Receive, Scope, Send
 from proxy.core.extract import RoutingKey, Tokenizer, extract_chat, extract_completion
+from proxy.dataplane import DataPlane, RelayedBody, RelayedStream
 from proxy.errors import InvalidRequest, ProxyError
-from proxy.metrics import Metrics, status_label
+from proxy.metrics import Metrics
+from proxy.security.guard import Guard, error_response_parts
+from proxy.security.limits import BodyTooLarge, PromptLimits, too_large
+from proxy.shutdown import Shutdown
+from proxy.wire import send_whole
 
 log = logging.getLogger("rollout_proxy.hotpath")
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-# (route, path, raw body, raw headers, start time) -> the response: parse, route and relay.
-Handle = Callable[[str, str, bytes, list[tuple[bytes, bytes]], float], Awaitable[ASGIApp]]
 
 HOT_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
 EXTRACTORS: dict[str, Callable[[Any, Tokenizer | None], RoutingKey]] = {
@@ -68,51 +74,118 @@ def request_id(headers: list[tuple[bytes, bytes]]) -> str:
     return f"{_ID_PREFIX}-{next(_ids)}"
 
 
-class HotPath:
+class DataPath:
+    """Guard, parse, check and route one completion, and send the answer."""
+
     def __init__(
         self,
-        app: ASGIApp,
-        handle: Handle,
+        guard: Guard,
+        limits: PromptLimits,
+        data: DataPlane,
         metrics: Metrics,
-        render_error: Callable[[ProxyError], dict[str, Any]] | None = None,
+        tokenizer: Tokenizer | None,
+        shutdown: Shutdown,
+        render_error: Callable[[ProxyError], dict[str, Any]],
     ) -> None:
-        self.app = app
-        self.handle = handle
+        self.guard = guard
+        self.limits = limits
+        self.data = data
         self.metrics = metrics
-        self.render_error = render_error or (lambda exc: exc.to_body())
+        self.tokenizer = tokenizer
+        self.shutdown = shutdown
+        self.render_error = render_error
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            route = HOT_ROUTES.get(scope["path"])
-            if route is not None:
-                await self._serve(scope, receive, send, route)
-                return
-        await self.app(scope, receive, send)
+    async def handle(
+        self, route: str, path: str, raw: bytes, headers: list[tuple[bytes, bytes]], started: float
+    ) -> RelayedBody | RelayedStream:
+        """Parse, check and route one completion (also what the declared routes call)."""
+        body = parse_json(raw)
+        key = EXTRACTORS[route](body, self.tokenizer)
+        self.limits.check(body, key)
+        return await self.data.forward(route, path, raw, key, request_id(headers), started)
 
-    async def _serve(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        route: str,
-    ) -> None:
+    async def serve(self, scope: Scope, receive: Receive, send: Send, route: str) -> None:
         started = time.perf_counter()
         try:
-            chunks = []
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    return
-                chunks.append(message.get("body", b""))
-                if not message.get("more_body", False):
-                    break
-            raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-            response = await self.handle(route, scope["path"], raw, scope["headers"], started)
+            problem = self.guard.check_head(scope)
+            if problem is not None:
+                raise problem
+            raw = await self._body(receive)
+            if raw is None:
+                return  # the client left before sending its body
+            answer = await self.handle(route, scope["path"], raw, scope["headers"], started)
         except ProxyError as exc:
-            self.metrics.requests.labels(route, "none", status_label(exc.status_code)).inc()
-            response = JSONResponse(self.render_error(exc), exc.status_code)
+            await self._error(send, route, exc)
+            return
+        except asyncio.CancelledError:
+            if not self.shutdown.cut_short(asyncio.current_task()):
+                raise
+            await self._error(send, route, self.shutdown.error())
+            return
         except Exception:
             log.exception("unhandled error on %s", scope["path"])
-            self.metrics.requests.labels(route, "none", "500").inc()
-            response = JSONResponse(ProxyError("internal proxy error").to_body(), 500)
-        await response(scope, receive, send)
+            await self._error(send, route, ProxyError("internal proxy error"))
+            return
+        try:
+            await answer(scope, receive, send)
+        except asyncio.CancelledError:
+            if not self.shutdown.cut_short(asyncio.current_task()):
+                raise
+            log.warning("a stream was cut off: the shutdown grace period ended")
+
+    async def _body(self, receive: Receive) -> bytes | None:
+        limit = self.guard.max_body_bytes
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        body: bytes = message.get("body", b"")
+        if not message.get("more_body", False):
+            if len(body) > limit:
+                raise BodyTooLarge(too_large(limit), param="body")
+            return body
+        chunks = [body]
+        received = len(body)
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            received += len(chunk)
+            if received > limit:
+                raise BodyTooLarge(too_large(limit), param="body")
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    async def _error(self, send: Send, route: str, exc: ProxyError) -> None:
+        self.metrics.count_request(route, "none", exc.status_code)
+        status, headers, _ = error_response_parts(exc)
+        body = orjson.dumps(self.render_error(exc))
+        headers[1] = (b"content-length", str(len(body)).encode())
+        await send_whole(send, status, headers, body)
+
+
+class ProxyApp(FastAPI):
+    """The FastAPI app, with completions taken off the front of its ``__call__``.
+
+    Every HTTP request is also registered with the shutdown state, so that on SIGTERM the ones
+    still running when the grace period ends are answered 503 (proxy/shutdown.py)."""
+
+    data_path: DataPath | None = None
+    shutdown: Shutdown | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        shutdown = self.shutdown
+        if scope["type"] != "http" or shutdown is None:
+            await super().__call__(scope, receive, send)
+            return
+        task = asyncio.current_task()
+        shutdown.running.add(task)
+        try:
+            route = HOT_ROUTES.get(scope["path"]) if scope["method"] == "POST" else None
+            if route is not None and self.data_path is not None:
+                await self.data_path.serve(scope, receive, send, route)
+            else:
+                await shutdown.guarded(super().__call__, scope, receive, send)
+        finally:
+            shutdown.running.discard(task)

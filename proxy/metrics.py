@@ -9,6 +9,8 @@ adapter versions are exported as a number (``rollout_proxy_adapter_latest_versio
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 # Buckets: proxy-side work is tens of microseconds to a few milliseconds; upstream calls are
@@ -45,7 +47,13 @@ def status_label(status: int) -> str:
 
 
 class Metrics:
+    """The collectors, plus cached children for the data path: ``labels()`` validates and
+    joins its label values on every call (2.8% of the proxy's CPU per completion in issue 12's
+    profile); a dict lookup on the same tuple is a tenth of that. Label sets are bounded (see
+    the module docstring), so the caches are too."""
+
     def __init__(self) -> None:
+        self._children: dict[tuple[Any, ...], Any] = {}
         # The *_created series double the exposition for nothing a dashboard uses. The switch is
         # process-wide in prometheus-client; every registry in this process is ours anyway.
         disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -167,3 +175,25 @@ class Metrics:
             ["replica"],
             registry=r,
         )
+
+    def _child(self, collector: Any, *labels: str) -> Any:
+        key = (id(collector), *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = collector.labels(*labels)
+        return child
+
+    def count_request(self, route: str, replica: str, status: int) -> None:
+        self._child(self.requests, route, replica, status_label(status)).inc()
+
+    def upstream_for(self, route: str, replica: str) -> Any:
+        return self._child(self.upstream_seconds, route, replica)
+
+    def proxy_for(self, route: str) -> Any:
+        return self._child(self.proxy_seconds, route)
+
+    def inflight_for(self, replica: str) -> Any:
+        return self._child(self.inflight, replica)
+
+    def decision_for(self, outcome: str) -> Any:
+        return self._child(self.decisions, outcome)

@@ -1,18 +1,18 @@
 """The data plane's upstream client: one POST per completion, relayed back to the client.
 
-Two implementations behind one small interface (``Relay.post`` -> ``Reply``):
+Three implementations behind one small interface (``Relay.post`` -> ``Reply``):
 
-* ``AiohttpRelay`` (default, ``PROXY_UPSTREAM_TRANSPORT=aiohttp``): aiohttp's ``ClientSession``
-  directly. Profiled under rollout traffic, httpx's request building (it re-parses the replica
-  URL, merges default headers and cookies on every call) and its response wrapping cost about a
-  sixth of the proxy's CPU per completion on top of the aiohttp transport underneath (see
-  bench/results/overhead_profile.md). The control plane and the probes keep httpx (``Upstream``):
-  they are not hot, and their code reads better with it.
+* ``LeanPool`` (default, ``PROXY_UPSTREAM_TRANSPORT=lean``, proxy/pool.py): a keep-alive pool on
+  asyncio + httptools, chosen by measurement (issue 12: 54-58 us CPU per request for a bare
+  pass-through with it, 192 with aiohttp; bench/results/overhead.md re-measures both).
+* ``AiohttpRelay`` (``PROXY_UPSTREAM_TRANSPORT=aiohttp``): aiohttp's ``ClientSession``
+  directly, the previous default.
 * ``HttpxRelay`` (``PROXY_UPSTREAM_TRANSPORT=httpx``, or when tests inject a transport): the
-  shared ``httpx.AsyncClient``.
+  shared ``httpx.AsyncClient``. The control plane and the probes always use httpx
+  (``Upstream``): they are not hot, and their code reads better with it.
 
-Both classify failures exactly like upstream.py: nothing sent (``ReplicaUnreachable``), sent but
-broken (``ReplicaBroken``), or silent too long (``UpstreamTimeout``).
+All three classify failures exactly like upstream.py: nothing sent (``ReplicaUnreachable``),
+sent but broken (``ReplicaBroken``), or silent too long (``UpstreamTimeout``).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import aiohttp
 import httpx
 
 from proxy.errors import UpstreamTimeout
+from proxy.pool import LeanPool
 from proxy.settings import Settings
 from proxy.upstream import ReplicaBroken, ReplicaUnreachable, Upstream, upstream_headers
 
@@ -36,8 +37,10 @@ KEEPALIVE_S = 60.0
 
 class Reply(Protocol):
     status: int
-    headers: Mapping[str, str]
     body: bytes  # empty for a streamed reply
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
 
     def chunks(self) -> AsyncIterator[bytes]: ...
 
@@ -197,6 +200,15 @@ class HttpxRelay:
 def make_relay(
     settings: Settings, upstream: Upstream, verify: ssl.SSLContext | bool, injected_transport: bool
 ) -> Relay:
-    if settings.upstream_transport == "aiohttp" and not injected_transport:
+    if injected_transport:
+        return HttpxRelay(upstream)  # tests' in-process replicas: only httpx can reach them
+    if settings.upstream_transport == "lean":
+        return LeanPool(
+            connect_timeout=settings.connect_timeout_s,
+            read_timeout=settings.upstream_timeout_s,
+            ssl_context=verify,
+            fixed_headers=upstream_headers(settings),
+        )
+    if settings.upstream_transport == "aiohttp":
         return AiohttpRelay(settings, verify)
     return HttpxRelay(upstream)

@@ -60,6 +60,11 @@ def _tls_failure(exc: BaseException) -> ssl.SSLError | None:
     return None
 
 
+def tls_failure_reason(error: ssl.SSLError) -> str:
+    """The words an operator needs from a failed handshake ("certificate verify failed: ...")."""
+    return str(getattr(error, "verify_message", None) or getattr(error, "reason", None) or "error")
+
+
 def translate(
     exc: httpx.HTTPError, replica: int, what: str
 ) -> UpstreamUnavailable | UpstreamTimeout:
@@ -68,10 +73,9 @@ def translate(
     if tls is not None:
         # The handshake failed: no request (and no token) was sent. Say why, since "unreachable"
         # alone sends an operator looking at the network.
-        reason = getattr(tls, "verify_message", None) or getattr(tls, "reason", None) or "error"
         return ReplicaUnreachable(
-            f"replica {replica} unreachable for {what}: TLS handshake failed ({reason}); "
-            "see PROXY_UPSTREAM_CA_BUNDLE"
+            f"replica {replica} unreachable for {what}: TLS handshake failed "
+            f"({tls_failure_reason(tls)}); see PROXY_UPSTREAM_CA_BUNDLE"
         )
     if isinstance(exc, httpx.TransportError) and _never_connected(exc):
         return ReplicaUnreachable(f"replica {replica} unreachable for {what}: {type(exc).__name__}")
@@ -98,7 +102,8 @@ def make_transport(settings: Settings) -> httpx.AsyncBaseTransport:
     # across a handful of replicas; connections beyond it are opened and closed as needed.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
     verify = tls_verify(settings)
-    if settings.upstream_transport == "aiohttp":
+    if settings.upstream_transport != "httpx":
+        # Control calls and probes (lean or aiohttp data path): httpx on httpx-aiohttp.
         import aiohttp
         from httpx_aiohttp import AiohttpTransport
 

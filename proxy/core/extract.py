@@ -16,6 +16,7 @@ the n samples share the prompt, so one replica is right for all of them.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -110,24 +111,49 @@ def _stream_of(body: Mapping[str, Any]) -> bool:
 MAX_TOKEN_ID = 2**32 - 1
 
 
-def _is_token_list(value: Any) -> bool:
-    # bool is an int subclass; JSON true/false in a prompt is a client bug, not token 1/0, so
-    # the check is on exact types. set(map(type)), min() and max() run at C speed: a per-token
-    # Python check cost ~60 us on a 512-token prompt, the largest share of the proxy's CPU.
+# Packed little-endian uint32 ids 0 and 1: where a JSON true/false would pack too.
+_PACKED_ZERO_ONE = (b"\x00\x00\x00\x00", b"\x01\x00\x00\x00")
+
+
+def _has_bool(value: list[Any], packed: array[int]) -> bool:
+    """Whether a JSON true/false hides among token ids ``packed`` accepted as 1/0 (bool is an
+    int subclass). Only positions holding 0 or 1 need a look; they are found with bytes.find on
+    the packed ids (C speed; ``in`` on an array compares Python objects one by one)."""
+    data = packed.tobytes()  # "I" is 4 bytes wide on every platform CPython supports
+    for needle in _PACKED_ZERO_ONE:
+        at = data.find(needle)
+        while at >= 0:
+            if at % 4 == 0 and type(value[at // 4]) is bool:
+                return True
+            at = data.find(needle, at + 1)
+    return False
+
+
+def pack_tokens(value: Any) -> array[int] | None:
+    """Token ids validated and packed as uint32 in one C pass, or None when ``value`` is not a
+    list of ids in [0, MAX_TOKEN_ID] (a float, string, negative or too-large id, or a JSON
+    boolean, which is a client bug rather than token 1/0). The array is what the router hashes,
+    so the ids are packed once per request. Measured on a 512-token prompt: ~3.5x cheaper than
+    the type-set plus min/max checks it replaces (which cost 5.6% of the proxy's CPU)."""
     if not isinstance(value, list):
-        return False
-    if not value:
-        return True
-    return set(map(type, value)) == {int} and min(value) >= 0 and max(value) <= MAX_TOKEN_ID
+        return None
+    try:
+        packed = array("I", value)
+    except (TypeError, OverflowError):
+        return None
+    if _has_bool(value, packed):
+        return None
+    return packed
 
 
-def _check_token_list(value: list[Any]) -> list[int]:
-    if not _is_token_list(value):
+def _check_token_list(value: list[Any]) -> array[int]:
+    packed = pack_tokens(value)
+    if packed is None:
         raise InvalidRequest(
             f"'prompt' token ids must be non-negative integers (at most {MAX_TOKEN_ID})",
             param="prompt",
         )
-    return value
+    return packed
 
 
 def extract_completion(body: Any, tokenizer: Tokenizer | None = None) -> RoutingKey:
@@ -140,7 +166,7 @@ def extract_completion(body: Any, tokenizer: Tokenizer | None = None) -> Routing
     if "prompt" not in body:
         raise InvalidRequest("'prompt' is required", param="prompt")
     prompt = body["prompt"]
-    tokens: list[int] | None = None
+    tokens: Sequence[int] | None = None
     text: str | None = None
     count = 1
     if isinstance(prompt, str):

@@ -66,7 +66,10 @@ class BlockHasher(Protocol):
 
 
 def _token_bytes(tokens: Sequence[int]) -> tuple[bytes, int]:
-    """Packed token ids and the width of one id in bytes."""
+    """Packed token ids and the width of one id in bytes (ids validated by extract.py arrive
+    packed already: one copy, no per-id work)."""
+    if isinstance(tokens, array):
+        return tokens.tobytes(), tokens.itemsize
     try:
         packed = array("I", tokens)
     except OverflowError:  # a vocabulary beyond 2**32 ids: never seen, but never wrong either

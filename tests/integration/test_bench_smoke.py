@@ -85,15 +85,17 @@ def test_routing_smoke_with_rust_router(tmp_path: Path, router: str) -> None:
 
 def _check_overhead(out: Path, targets: list[str]) -> None:
     data = json.loads((out / "overhead.json").read_text())
-    rows = {r["target"]: r for r in data["rows"]}
+    rows = {(r["target"], r["body"]): r for r in data["rows"]}
     report = (out / "overhead.md").read_text()
     for name in targets:
-        r = rows[name]
-        assert r["status"] == "ok", r["reason"]
-        assert r["errors"] == 0, r["reason"]
-        assert _finite(r["rps_64"], r["p50_8_us"], r["p99_8_us"], r["cpu_us_per_req"]), r
-        assert r["rps_64"] > 0 and r["cpu_us_per_req"] > 0
+        for body in ("repeated", "distinct64"):
+            r = rows[(name, body)]
+            assert r["status"] == "ok", r["reason"]
+            assert r["errors"] == 0, r["reason"]
+            assert _finite(r["rps_64"], r["p50_1_us"], r["p99_1_us"], r["cpu_us_per_req"]), r
+            assert r["rps_64"] > 0 and r["cpu_us_per_req"] > 0
         assert f"| {name} | " in report
+    assert "## Workload `repeated`" in report and "## Workload `distinct64`" in report
 
 
 def _need_overhead_tools() -> None:
@@ -104,7 +106,7 @@ def _need_overhead_tools() -> None:
 
 def test_overhead_smoke_with_our_proxy(tmp_path: Path) -> None:
     _need_overhead_tools()
-    targets = ["direct", "proxy", "nginx", "py-floor"]
+    targets = ["direct", "proxy", "nginx", "floor", "floor-aiohttp"]
     _run("bench.run_overhead", "--smoke", "--targets", ",".join(targets), "--out", str(tmp_path))
     _check_overhead(tmp_path, targets)
 

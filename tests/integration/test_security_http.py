@@ -370,7 +370,7 @@ def _assert_relayed_clean(response: httpx.Response) -> None:
     assert "set-cookie" not in response.headers and "x-internal-route" not in response.headers
 
 
-@pytest.mark.parametrize("transport", ["aiohttp", "httpx"])
+@pytest.mark.parametrize("transport", ["lean", "aiohttp", "httpx"])
 def test_hop_by_hop_and_host_are_not_forwarded(make_fleet, transport: str) -> None:
     fake = LeakyVllm(name="r0")
     h = make_fleet(fakes=[fake], upstream_transport=transport)
@@ -391,7 +391,7 @@ def test_hop_by_hop_and_host_are_not_forwarded(make_fleet, transport: str) -> No
     _assert_relayed_clean(r)
 
 
-@pytest.mark.parametrize("transport", ["aiohttp", "httpx"])
+@pytest.mark.parametrize("transport", ["lean", "aiohttp", "httpx"])
 def test_cookies_a_replica_sets_are_never_replayed(transport: str) -> None:
     """The upstream client is shared by every caller: a replica's Set-Cookie must not ride
     along on later requests. A host name, not an IP: aiohttp's default jar ignores IPs."""

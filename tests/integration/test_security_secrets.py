@@ -66,7 +66,7 @@ def rollout(model: str, prompt: list[int], **extra: Any) -> dict[str, Any]:
     } | extra
 
 
-@pytest.mark.parametrize("transport", ["aiohttp", "httpx"])
+@pytest.mark.parametrize("transport", ["lean", "aiohttp", "httpx"])
 def test_token_appears_in_no_log_and_no_response(caplog, transport: str) -> None:
     token = "hf_" + secrets.token_hex(20)  # the shape of a real HF token
     fakes = [FakeVllm(name=f"r{i}", env_secret=token) for i in range(3)]

@@ -58,7 +58,7 @@ def run_proxy(urls: list[str], **settings: object) -> tuple[ServerThread, httpx.
 BODY = {"model": "tiny/base", "prompt": [1, 2, 3], "max_tokens": 4}
 
 
-@pytest.mark.parametrize("transport", ["aiohttp", "httpx"])
+@pytest.mark.parametrize("transport", ["lean", "aiohttp", "httpx"])
 def test_unknown_ca_is_refused_and_named(https_replicas, transport: str) -> None:
     urls, _, fakes = https_replicas
     proxy, client = run_proxy(urls, upstream_transport=transport, upstream_token="tls-token-x" * 3)
@@ -76,7 +76,7 @@ def test_unknown_ca_is_refused_and_named(https_replicas, transport: str) -> None
     assert all(not f.calls and not f.seen_headers for f in fakes)
 
 
-@pytest.mark.parametrize("transport", ["aiohttp", "httpx"])
+@pytest.mark.parametrize("transport", ["lean", "aiohttp", "httpx"])
 @pytest.mark.parametrize("mode", ["ca_bundle", "insecure"])
 def test_ca_bundle_or_explicit_insecure_connects(https_replicas, transport: str, mode: str) -> None:
     urls, bundle, fakes = https_replicas

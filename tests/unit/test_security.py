@@ -164,7 +164,7 @@ def test_key_roles() -> None:
 def test_key_comparison_is_digest_based_and_never_stops_early(monkeypatch) -> None:
     """Every configured key is compared, as fixed-length digests, whatever the outcome: the
     time taken does not depend on the key's content, length, or which key matched."""
-    import proxy.security as security
+    import proxy.security.keys as security
 
     calls: list[tuple[int, int]] = []
     real = security.hmac.compare_digest

@@ -1,0 +1,513 @@
+"""The data path's upstream client: a small keep-alive HTTP/1.1 pool on ``asyncio.Protocol`` and
+httptools' response parser (``PROXY_UPSTREAM_TRANSPORT=lean``, the default).
+
+Why not a library: the upstream client sets the floor of a Python relay. Measured on the 2-core
+dev machine, a bare uvicorn pass-through costs 192 us CPU per request with aiohttp (request
+object model, a task per request, header multidicts), 121 us with pyreqwest, and 54-58 us with
+this kind of client (issue 12's table; re-measured by ``bench.run_overhead``'s ``floor`` target).
+What the relay needs is narrow: POST a body it already holds, read one response (Content-Length,
+chunked, or until close), keep the connection for the next request. That is what is here, and
+nothing else: the control plane and probes keep httpx (proxy/upstream.py).
+
+What it handles, because real replicas do all of it:
+
+* Content-Length and chunked bodies (vLLM streams SSE chunked), and bodies delimited by close.
+* Connect, read and idle timeouts: connect as ``PROXY_CONNECT_TIMEOUT_S``; read as the longest
+  silence (``PROXY_UPSTREAM_TIMEOUT_S``, checked by one watchdog for all requests), not counted
+  while the client is the slow side;
+  idle keep-alive connections are dropped after ``IDLE_TIMEOUT_S``.
+* A connection the replica closed between requests (vLLM's uvicorn closes idle keep-alive
+  connections after 5 s): dropped when the close is seen, and when the close races the next
+  request (nothing of a response arrived on a reused connection), that request is sent once more
+  on a fresh connection. Completions have no side effect (dataplane.py's retry rule), so this is
+  safe even if the replica had read the request.
+* Back-pressure: a streamed body buffers at most ``HIGH_WATER`` bytes; beyond that the upstream
+  socket stops being read until the client side has taken the buffer (the ASGI server's
+  ``send`` waits while the client's socket buffer is full), so a slow client slows its replica
+  stream instead of growing the proxy's memory.
+* TLS to https replicas with the same SSL context as every other client (proxy/upstream.py's
+  ``tls_verify``: the CA bundle, or the explicit insecure opt-out).
+* Failures classified for the retry rule: ``ReplicaUnreachable`` (nothing sent: refused, DNS,
+  connect timeout, TLS handshake), ``ReplicaBroken`` (connection lost or garbled before or
+  during the response), ``UpstreamTimeout`` (silent too long).
+
+No task and no closure per request: a request is one ``transport.write`` and one future per
+wait; the protocol object's callbacks feed the parser, which fills the reply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections.abc import AsyncIterator, Mapping
+from typing import cast
+from urllib.parse import urlsplit
+
+import httptools
+
+from proxy.errors import UpstreamTimeout
+from proxy.upstream import ReplicaBroken, ReplicaUnreachable, tls_failure_reason
+
+# Idle keep-alive connections are closed after 60 s: longer than any gap between a trainer's
+# rollouts, shorter than typical load-balancer idle timeouts in front of replicas (the value the
+# aiohttp relay used).
+IDLE_TIMEOUT_S = 60.0
+# Idle connections kept per replica. 512: TRL's max_inflight_tasks is a few hundred rollouts,
+# all of which may land on one replica; more than that are opened and closed as needed (the
+# value httpx's pool used here).
+MAX_IDLE_PER_ORIGIN = 512
+# A streamed body stops being read from the replica once this much waits for the client:
+# 64 KiB, asyncio's own default high-water mark for a transport's write buffer; a token's SSE
+# event is ~200 bytes, so this never throttles a client that keeps up.
+HIGH_WATER = 64 * 1024
+# Response headers the data path looks at (relayed, or deciding the body's framing); the rest
+# are dropped without being decoded.
+KEPT_HEADERS = frozenset({b"content-type", b"x-request-id", b"cache-control"})
+FRAMING_HEADERS = frozenset({b"content-length", b"transfer-encoding"})
+# A request body shorter than this leaves in the same write as the head (one syscall; a TRL
+# rollout body is ~3.5 KiB); a longer one is written on its own rather than copied into a join.
+JOIN_BELOW = 64 * 1024
+
+
+class _Lost(Exception):
+    """The connection ended before a byte of the response arrived (maybe a stale keep-alive)."""
+
+
+class Origin:
+    """One replica's address, its request-head prefix and its idle connections."""
+
+    __slots__ = ("host", "idle", "port", "prefix", "server_hostname", "ssl")
+
+    def __init__(self, base_url: str, ssl_context: ssl.SSLContext | None, fixed: bytes) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"not an http(s) URL: {base_url!r}")
+        https = parts.scheme == "https"
+        self.host = parts.hostname
+        self.port = parts.port or (443 if https else 80)
+        self.ssl = ssl_context if https else None
+        self.server_hostname = self.host if https else None
+        # Every request to this origin starts "POST <path> HTTP/1.1\r\nhost: ...\r\n<fixed>".
+        self.prefix = b"\r\nhost: " + parts.netloc.encode("idna") + b"\r\n" + fixed
+        self.idle: list[Connection] = []
+
+
+class Connection(asyncio.Protocol):
+    """One keep-alive connection; serves one reply at a time."""
+
+    def __init__(self, pool: LeanPool, origin: Origin) -> None:
+        self.pool = pool
+        self.origin = origin
+        self.transport: asyncio.Transport | None = None
+        self.reply: LeanReply | None = None
+        self.closed = False
+        self.served = 0
+        self.idle_since = 0.0
+        self.paused = False
+
+    # -- asyncio.Protocol --------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # A stream transport (uvloop's, under uvicorn, is not an asyncio.Transport subclass).
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        reply = self.reply
+        if reply is None:
+            # Bytes on an idle connection: nothing asked for them; the connection cannot be
+            # trusted to frame the next response.
+            self.abort()
+            return
+        reply.received = True
+        reply.last_data = self.pool.loop.time()
+        try:
+            reply.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            reply.fail(ReplicaBroken(f"{reply.what}: invalid HTTP response ({exc})"))
+            self.abort()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        reply = self.reply
+        if reply is not None and not reply.complete:
+            reply.on_connection_lost()
+
+    # -- pool side -----------------------------------------------------------------------------
+
+    def abort(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+    def pause(self) -> None:
+        if not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self.paused and self.transport is not None and not self.closed:
+            self.paused = False
+            self.transport.resume_reading()
+
+
+class LeanReply:
+    """The response to one request: status, the kept headers, then the body (buffered, or
+    streamed through ``chunks()``). Also httptools' parser callback object."""
+
+    __slots__ = (
+        "_chunks",
+        "_waiter",
+        "body",
+        "buffered",
+        "complete",
+        "conn",
+        "error",
+        "framed",
+        "headers",
+        "headers_done",
+        "keep_alive",
+        "last_data",
+        "parser",
+        "pool",
+        "received",
+        "status",
+        "stream",
+        "what",
+    )
+
+    def __init__(self, pool: LeanPool, conn: Connection, stream: bool, what: str) -> None:
+        self.pool = pool
+        self.conn = conn
+        self.stream = stream
+        self.what = what
+        self.parser = httptools.HttpResponseParser(self)
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.body = b""
+        self._chunks: list[bytes] = []
+        self.buffered = 0
+        self.headers_done = False
+        self.framed = False
+        self.complete = False
+        self.keep_alive = False
+        self.received = False
+        self.error: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self.last_data = pool.loop.time()
+        pool.watch(self)
+
+    # -- httptools callbacks ---------------------------------------------------------------------
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        name = name.lower()
+        if name in KEPT_HEADERS:
+            self.headers[name.decode("latin-1")] = value.decode("latin-1")
+        elif name in FRAMING_HEADERS:
+            self.framed = True
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        self.headers_done = True
+        if self.stream:
+            self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self._chunks.append(body)
+        self.buffered += len(body)
+        if self.stream:
+            if self.buffered > HIGH_WATER:
+                self.conn.pause()
+            self._wake()
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        self.keep_alive = self.parser.should_keep_alive()
+        self._unwatch()
+        if not self.stream:
+            self.body = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
+        self._wake()
+
+    # -- events from the connection --------------------------------------------------------------
+
+    def on_connection_lost(self) -> None:
+        if self.headers_done and not self.framed:
+            # Neither a length nor chunked: the body is whatever came before the close
+            # (httptools has no end-of-input call to say so).
+            self.keep_alive = False
+            self.on_message_complete()
+            return
+        if not self.received:
+            self.fail(_Lost())
+        else:
+            self.fail(ReplicaBroken(f"{self.what}: the replica closed the connection mid-answer"))
+
+    def fail(self, error: BaseException) -> None:
+        if self.error is None and not self.complete:
+            self.error = error
+        self._unwatch()
+        self._wake()
+
+    def time_out(self) -> None:
+        self.fail(
+            UpstreamTimeout(
+                f"{self.what} timed out: the replica was silent longer than "
+                "PROXY_UPSTREAM_TIMEOUT_S"
+            )
+        )
+        self.conn.abort()
+
+    def _unwatch(self) -> None:
+        self.pool.active.discard(self)
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def _wait(self) -> None:
+        waiter = self.pool.loop.create_future()
+        self._waiter = waiter
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+
+    # -- the caller's side -------------------------------------------------------------------------
+
+    async def until_headers(self) -> None:
+        while not self.headers_done and self.error is None:
+            await self._wait()
+        if self.error is not None and not self.headers_done:
+            raise self.error
+
+    async def until_complete(self) -> None:
+        while not self.complete and self.error is None:
+            await self._wait()
+        if self.error is not None and not self.complete:
+            raise self.error
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The streamed body as it arrives; raises ReplicaBroken / UpstreamTimeout when the
+        replica fails mid-stream."""
+        while True:
+            if self._chunks:
+                taken, self._chunks, self.buffered = self._chunks, [], 0
+                self.conn.resume()
+                for chunk in taken:
+                    yield chunk
+                continue
+            if self.complete:
+                return
+            if self.error is not None:
+                raise self.error
+            await self._wait()
+
+    async def close(self) -> None:
+        self.release()
+
+    def release(self) -> None:
+        """Give the connection back (reusable only after a complete, keep-alive answer)."""
+        conn = self.conn
+        if conn.reply is not self:
+            return
+        conn.reply = None
+        self._unwatch()
+        if self.complete and self.keep_alive and not conn.closed:
+            conn.resume()
+            self.pool.keep(conn)
+        else:
+            conn.abort()
+
+
+class LeanPool:
+    """Keep-alive connections per replica origin; ``post`` sends one request."""
+
+    def __init__(
+        self,
+        *,
+        connect_timeout: float,
+        read_timeout: float,
+        ssl_context: ssl.SSLContext | bool,
+        fixed_headers: Mapping[str, str],
+        idle_timeout: float = IDLE_TIMEOUT_S,
+    ) -> None:
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self.idle_timeout = idle_timeout
+        if ssl_context is False:
+            context = ssl.create_default_context()
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+            self.ssl: ssl.SSLContext | None = context
+        elif ssl_context is True:
+            self.ssl = ssl.create_default_context()
+        else:
+            self.ssl = ssl_context
+        self.fixed = b"".join(_header_line(k, v) for k, v in fixed_headers.items())
+        self.origins: dict[str, Origin] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.closing = False
+        # Read timeouts: one watchdog for every reply in flight rather than a timer each (a
+        # timer armed and cancelled per request cost ~5 us with asyncio's loop). It looks every
+        # quarter of the timeout, at most every second, so silence is cut off between
+        # read_timeout and read_timeout + that period (900 s + 1 s by default).
+        self.active: set[LeanReply] = set()
+        self.watch_every = min(1.0, read_timeout / 4)
+        self._watchdog: asyncio.TimerHandle | None = None
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        return self._loop
+
+    def watch(self, reply: LeanReply) -> None:
+        self.active.add(reply)
+        if self._watchdog is None:
+            self._watchdog = self.loop.call_later(self.watch_every, self._look_for_silence)
+
+    def _look_for_silence(self) -> None:
+        self._watchdog = None
+        now = self.loop.time()
+        for reply in list(self.active):
+            if reply.conn.paused:
+                # The client is the slow side: the replica is waiting on us, not silent.
+                reply.last_data = now
+            elif now - reply.last_data >= self.read_timeout:
+                reply.time_out()
+        if self.active:
+            self._watchdog = self.loop.call_later(self.watch_every, self._look_for_silence)
+
+    def origin(self, base_url: str) -> Origin:
+        origin = self.origins.get(base_url)
+        if origin is None:
+            origin = self.origins[base_url] = Origin(base_url, self.ssl, self.fixed)
+        return origin
+
+    async def post(
+        self,
+        replica: int,
+        base_url: str,
+        path: str,
+        content: bytes,
+        headers: Mapping[str, str],
+        stream: bool,
+    ) -> LeanReply:
+        """Send ``POST path`` with ``content``; return once the status and headers arrived
+        (``stream``) or the whole body did. The caller must ``close()`` the reply."""
+        origin = self.origin(base_url)
+        what = f"replica {replica} POST {path}"
+        head = b"".join(
+            (
+                b"POST ",
+                path.encode("ascii"),
+                b" HTTP/1.1",
+                origin.prefix,
+                *(_header_line(k, v) for k, v in headers.items()),
+                b"content-length: ",
+                str(len(content)).encode(),
+                b"\r\n\r\n",
+            )
+        )
+        conn = self._idle(origin)
+        if conn is not None:
+            try:
+                return await self._exchange(conn, head, content, stream, what)
+            except _Lost:
+                pass  # the replica closed it as we reused it: once more, on a new connection
+        conn = await self._connect(origin, replica, path)
+        try:
+            return await self._exchange(conn, head, content, stream, what)
+        except _Lost:
+            raise ReplicaBroken(
+                f"{what}: the replica closed the connection before answering"
+            ) from None
+
+    async def _exchange(
+        self, conn: Connection, head: bytes, content: bytes, stream: bool, what: str
+    ) -> LeanReply:
+        reply = LeanReply(self, conn, stream, what)
+        conn.reply = reply
+        assert conn.transport is not None
+        if len(content) < JOIN_BELOW:
+            conn.transport.write(head + content)
+        else:
+            conn.transport.write(head)
+            conn.transport.write(content)
+        try:
+            if stream:
+                await reply.until_headers()
+            else:
+                await reply.until_complete()
+        except BaseException:
+            # Failed or cancelled (the client left): this connection's state is unknown.
+            reply.release()
+            conn.abort()
+            raise
+        if not stream:
+            reply.release()
+        return reply
+
+    def _idle(self, origin: Origin) -> Connection | None:
+        idle = origin.idle
+        expired_before = self.loop.time() - self.idle_timeout
+        while idle:
+            conn = idle.pop()
+            if conn.closed or conn.transport is None or conn.transport.is_closing():
+                continue
+            if conn.idle_since < expired_before:
+                conn.abort()
+                continue
+            return conn
+        return None
+
+    def keep(self, conn: Connection) -> None:
+        idle = conn.origin.idle
+        if self.closing or len(idle) >= MAX_IDLE_PER_ORIGIN:
+            conn.abort()
+            return
+        conn.served += 1
+        conn.idle_since = self.loop.time()
+        idle.append(conn)
+
+    async def _connect(self, origin: Origin, replica: int, path: str) -> Connection:
+        conn = Connection(self, origin)
+        what = f"replica {replica} unreachable for POST {path}"
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                await self.loop.create_connection(
+                    lambda: conn,
+                    origin.host,
+                    origin.port,
+                    ssl=origin.ssl,
+                    server_hostname=origin.server_hostname,
+                )
+        except ssl.SSLError as exc:
+            raise ReplicaUnreachable(
+                f"{what}: TLS handshake failed ({tls_failure_reason(exc)}); "
+                "see PROXY_UPSTREAM_CA_BUNDLE"
+            ) from exc
+        except TimeoutError as exc:
+            raise ReplicaUnreachable(f"{what}: ConnectTimeout") from exc
+        except OSError as exc:
+            raise ReplicaUnreachable(f"{what}: {type(exc).__name__}") from exc
+        return conn
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+
+    async def aclose(self) -> None:
+        self.closing = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        for origin in self.origins.values():
+            while origin.idle:
+                origin.idle.pop().abort()
+
+
+def _header_line(name: str, value: str) -> bytes:
+    line = f"{name}: {value}\r\n"
+    if line.count("\n") != 1 or "\r" in line[:-2]:
+        raise ValueError(f"header {name!r} contains a line break")
+    return line.encode("latin-1")

@@ -1,0 +1,67 @@
+"""``PROXY_ADAPTER_ROOTS``: which directories ``lora_path`` may name."""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Sequence
+
+from proxy.errors import InvalidRequest
+
+
+def normalize_root(root: str) -> str:
+    """An allow-list root in canonical form; raises ValueError when it is not absolute."""
+    root = root.strip()
+    if not root.startswith("/"):
+        raise ValueError(f"adapter root {root!r} must be an absolute path")
+    if any(ord(c) < 0x20 for c in root):
+        raise ValueError("adapter roots must not contain control characters")
+    return _normpath(root)
+
+
+def _normpath(path: str) -> str:
+    # posixpath.normpath keeps a leading '//' (POSIX leaves its meaning to the implementation);
+    # Linux treats it as '/', and so do we, so '//etc' cannot slip past a '/etc' comparison.
+    normalized = posixpath.normpath(path)
+    return "/" + normalized.lstrip("/")
+
+
+class AdapterRoots:
+    """``PROXY_ADAPTER_ROOTS``: the directories adapters may be loaded from.
+
+    Checked on the string, before any replica sees the load (the proxy usually cannot see the
+    replicas' file systems). The path must be absolute (a relative path is resolved against the
+    replica's working directory, and vLLM treats a non-existent one as a Hugging Face repo id and
+    downloads it), free of control characters, and free of '..' segments even when they would
+    normalise to a path inside a root: on the replica '/roots/link/..' is the parent of wherever
+    'link' points, not '/roots', so string normalisation of '..' is unsound in the presence of
+    symlinks. TRL sends ``os.path.abspath`` paths, which never contain '..'. What remains ('.',
+    '//', trailing '/') is normalised, and the result must equal a root or lie below one.
+    A symlink *inside* a root that points outside it cannot be seen from here: keep the roots'
+    contents writable by the trainer only.
+    """
+
+    def __init__(self, roots: Sequence[str]) -> None:
+        self.roots = tuple(normalize_root(r) for r in roots)
+
+    def allows(self, normalized: str) -> bool:
+        return any(
+            normalized == root or normalized.startswith(root.rstrip("/") + "/")
+            for root in self.roots
+        )
+
+    def check(self, path: str) -> None:
+        """Raise InvalidRequest (400, param lora_path) unless ``path`` is under a root."""
+        problem: str | None = None
+        if not path.startswith("/"):
+            problem = "must be an absolute path"
+        elif any(ord(c) < 0x20 or ord(c) == 0x7F for c in path):
+            problem = "must not contain control characters"
+        elif ".." in path.split("/"):
+            problem = "must not contain '..' segments"
+        elif not self.allows(_normpath(path)):
+            problem = "is outside the allowed adapter roots"
+        if problem is not None:
+            raise InvalidRequest(
+                f"'lora_path' {problem} (PROXY_ADAPTER_ROOTS: {', '.join(self.roots)})",
+                param="lora_path",
+            )

@@ -1,0 +1,195 @@
+"""The inbound guard: header size, canonical path, key and body size, checked before anything
+else runs; and the last-line masking of the upstream token in responses. ``Guard.check_head``
+is shared by the ASGI middleware (FastAPI's routes) and the data path (proxy/hotpath.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from proxy.asgi import ASGIApp, Message, Receive, Scope, Send
+from proxy.errors import Forbidden, InvalidRequest, PayloadTooLarge, ProxyError, Unauthorized
+from proxy.security.keys import KeyRing, credential_from
+from proxy.security.limits import BodyTooLarge, HeadersTooLarge, too_large
+from proxy.security.planes import Plane, classify, path_problem
+from proxy.security.redaction import mask
+
+if TYPE_CHECKING:
+    from proxy.settings import Settings
+
+log = logging.getLogger("rollout_proxy.security")
+
+
+@dataclass(frozen=True)
+class Guard:
+    """What the middleware enforces (built once per app from the settings)."""
+
+    keys: KeyRing
+    max_body_bytes: int
+    max_header_bytes: int
+    secrets: tuple[bytes, ...] = ()
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Guard:
+        token = settings.upstream_token
+        return cls(
+            KeyRing.from_settings(settings),
+            settings.max_body_bytes,
+            settings.max_header_bytes,
+            (token.get_secret_value().encode(),) if token and token.get_secret_value() else (),
+        )
+
+    def check_head(self, scope: Scope) -> ProxyError | None:
+        """The first reason to refuse this request before reading its body, cheapest check
+        first: header size (431), canonical path (400), key (401/403), declared
+        Content-Length (413)."""
+        size = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
+        for k, v in scope.get("headers", ()):
+            size += len(k) + len(v) + 4  # ": " and CRLF, as on the wire
+        if size > self.max_header_bytes:
+            return HeadersTooLarge(
+                f"request line and headers are {size} bytes; at most "
+                f"{self.max_header_bytes} are accepted (PROXY_MAX_HEADER_BYTES)"
+            )
+        path: str = scope.get("path", "")
+        bad = path_problem(path, scope.get("raw_path"))
+        if bad is not None:
+            return InvalidRequest(bad)
+        plane = classify(path)
+        if plane is not Plane.OPEN and self.keys.enabled:
+            raw = header(scope, b"authorization")
+            role = self.keys.role(credential_from(raw.decode("latin-1") if raw else None))
+            if role is None:
+                return Unauthorized(
+                    "a valid key is required: send 'Authorization: Bearer <key>' (or HTTP Basic "
+                    "auth with the key as the password, e.g. http://user:<key>@host in a URL)"
+                )
+            if plane is Plane.ADMIN and role is not Plane.ADMIN:
+                return Forbidden(
+                    f"{path} is a control-plane endpoint: it needs a key from PROXY_ADMIN_KEYS"
+                )
+        declared = header(scope, b"content-length")
+        if declared is not None:
+            if not declared.isdigit():
+                return InvalidRequest("Content-Length must be a non-negative integer")
+            if int(declared) > self.max_body_bytes:
+                return PayloadTooLarge(too_large(self.max_body_bytes), param="body")
+        return None
+
+    def mask_body(self, body: bytes) -> bytes:
+        """``body`` with the upstream token masked (same length, so Content-Length stays
+        right); a warning says it happened. The common case is one ``in`` per secret."""
+        for secret in self.secrets:
+            if secret in body:
+                log.warning("a response body contained the upstream token; masked it")
+                return mask(body, self.secrets)
+        return body
+
+    def mask_headers(self, headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+        if any(s in v for _, v in headers for s in self.secrets):
+            log.warning("a response header contained the upstream token; masked it")
+            return [(k, mask(bytes(v), self.secrets)) for k, v in headers]
+        return headers
+
+
+def header(scope: Scope, name: bytes) -> bytes | None:
+    for k, v in scope.get("headers", ()):
+        if k == name:
+            return bytes(v)
+    return None
+
+
+def error_response_parts(err: ProxyError) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    body = json.dumps(err.to_body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if err.status_code == 401:
+        headers.append((b"www-authenticate", b'Bearer realm="rollout-proxy"'))
+    return err.status_code, headers, body
+
+
+class SecurityMiddleware:
+    """Pure ASGI (no BaseHTTPMiddleware: that buffers and re-wraps streamed responses).
+
+    Order, cheapest refusal first: header size (431), canonical path (400), key (401/403),
+    declared Content-Length (413, before a byte of the body is read), then the body is counted
+    as it streams in and the request fails with 413 as soon as it passes the limit, so an
+    unbounded body is never buffered. Responses are checked for the upstream token as a last
+    line of defence: nothing in the proxy writes it, and if something ever did, it is masked
+    (same length, so Content-Length stays right) and a warning is logged.
+    """
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        guard: Guard,
+        on_reject: Callable[[Scope, int], None] | None = None,
+    ) -> None:
+        self.app = app
+        self.guard = guard
+        self.on_reject = on_reject
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        problem = self.guard.check_head(scope)
+        if problem is not None:
+            await self._reject(scope, send, problem)
+            return
+        if self.guard.secrets:
+            send = self._masking(send)
+        limit = self.guard.max_body_bytes
+        received = 0
+
+        async def limited() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise BodyTooLarge(too_large(limit), param="body")
+            return message
+
+        started = False
+
+        async def tracking(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited, tracking)
+        except BodyTooLarge as exc:
+            # Reached only when the app has no handler for ProxyError (the proxy's app has one).
+            if started:
+                raise
+            await self._reject(scope, send, exc)
+
+    async def _reject(self, scope: Scope, send: Send, err: ProxyError) -> None:
+        if self.on_reject is not None:
+            self.on_reject(scope, err.status_code)
+        status, headers, body = error_response_parts(err)
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    def _masking(self, send: Send) -> Send:
+        guard = self.guard
+
+        async def masked(message: Message) -> None:
+            if message["type"] == "http.response.body":
+                body = message.get("body", b"")
+                masked_body = guard.mask_body(body)
+                if masked_body is not body:
+                    message = {**message, "body": masked_body}
+            elif message["type"] == "http.response.start":
+                headers = list(message.get("headers", ()))
+                masked_headers = guard.mask_headers(headers)
+                if masked_headers is not headers:
+                    message = {**message, "headers": masked_headers}
+            await send(message)
+
+        return masked

@@ -1,0 +1,105 @@
+"""Graceful shutdown: what SIGTERM does to requests in flight.
+
+Kubernetes sends SIGTERM, waits its grace period (30 s by default), then SIGKILLs. A proxy that
+waits for every request (uvicorn's default) is killed with rollouts still open, and its clients
+see connections reset with no word why. So, on the first SIGTERM or SIGINT (proxy/server.py):
+
+1. ``/health`` answers 503 at once (``draining``), so load balancers and TRL's own health
+   check stop sending here;
+2. the listener stops accepting; idle keep-alive connections are closed;
+3. requests in flight get ``PROXY_SHUTDOWN_GRACE_S`` to finish; every one still running then is
+   cancelled, and answered 503 with an OpenAI-shaped error naming the reason when not a byte of
+   its response was sent yet (a stream already under way is cut off);
+4. the process exits 0. A second signal exits at once.
+
+This module holds the state; the server drives it, ``ProxyApp`` registers every request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from proxy.asgi import ASGIApp, Message, Receive, Scope, Send
+from proxy.errors import ProxyError, UpstreamUnavailable
+from proxy.security.guard import error_response_parts
+
+log = logging.getLogger("rollout_proxy.shutdown")
+
+
+class Shutdown:
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self.draining = False
+        self.running: set[asyncio.Task[Any] | None] = set()
+        self._cut: set[asyncio.Task[Any]] = set()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def begin(self) -> None:
+        """Signal received: /health turns 503 from now on. Only sets a flag (safe to call from
+        a signal handler)."""
+        self.draining = True
+
+    def start_grace(self) -> None:
+        """The listener is closed: give the requests in flight ``grace_s`` to finish."""
+        self.draining = True
+        if self._timer is None:
+            running = len([t for t in self.running if t is not None])
+            log.info(
+                "shutting down: %d request(s) in flight get up to %.0f s to finish "
+                "(PROXY_SHUTDOWN_GRACE_S)",
+                running,
+                self.grace_s,
+            )
+            self._timer = asyncio.get_running_loop().call_later(self.grace_s, self.cut_all)
+
+    def cut_all(self) -> None:
+        """The grace period is over: cancel every request still running."""
+        left = [t for t in self.running if t is not None and not t.done()]
+        if left:
+            log.warning(
+                "shutting down: %d request(s) still running after %.0f s; answering them 503",
+                len(left),
+                self.grace_s,
+            )
+        for task in left:
+            self._cut.add(task)
+            task.cancel()
+
+    def cut_short(self, task: asyncio.Task[Any] | None) -> bool:
+        """Whether ``task``'s cancellation is the end of the grace period (then it is taken
+        back: the request is answered instead of torn down)."""
+        if task is None or task not in self._cut:
+            return False
+        self._cut.discard(task)
+        task.uncancel()
+        return True
+
+    def error(self) -> ProxyError:
+        return UpstreamUnavailable(
+            f"the proxy is shutting down and this request did not finish within "
+            f"{self.grace_s:g} s (PROXY_SHUTDOWN_GRACE_S); it was not answered by a replica: "
+            "send it again (to another proxy, or this one once it is back)",
+            status_code=503,
+        )
+
+    async def guarded(self, app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
+        """Run ``app`` for one request (FastAPI's routes); if the grace period ends it, answer
+        503 when nothing was sent yet."""
+        started = False
+
+        async def tracking(message: Message) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
+        try:
+            await app(scope, receive, tracking)
+        except asyncio.CancelledError:
+            if not self.cut_short(asyncio.current_task()):
+                raise
+            if not started:
+                status, headers, body = error_response_parts(self.error())
+                await send({"type": "http.response.start", "status": status, "headers": headers})
+                await send({"type": "http.response.body", "body": body})
