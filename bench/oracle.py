@@ -18,11 +18,12 @@ running blocks, which a replica cannot evict, are ignored by the oracle.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from bench.simulator import block_hashes
+from bench.simulator import SimConfig, block_hashes
 from bench.workload import RequestRecord
 
 
@@ -116,3 +117,41 @@ def oracle_hits(
             cache.touch(hashes[n_prompt:])
     ordered = tuple(per[i] for i in sorted(per))
     return OracleResult(sum(ordered), queries, ordered)
+
+
+def throughput_ceiling(
+    records: Sequence[RequestRecord],
+    oracle_hit_tokens: Sequence[int],
+    *,
+    replicas: int,
+    concurrency: int,
+    sim: SimConfig,
+) -> float:
+    """Generated tokens/s (simulated) of a router with perfect affinity and perfect balance.
+
+    The same successful requests, each prefilling only what the oracle could not hit
+    (``oracle_hit_tokens``, one per record), on ``replicas`` replicas that all run the same
+    batch for the whole run: ``concurrency`` requests (TRL's rollouts in flight) shared evenly,
+    bounded by the batch slots and by how many average requests the KV cache holds at once.
+    Each replica then spends its share of the prefill time plus its share of the decode time
+    (prefill holds the batch, as in the simulator). Syncs (frozen replicas) and the run's
+    ramp-up and drain are left out, so no router reaches it.
+    """
+    if replicas < 1 or concurrency < 1:
+        raise ValueError("replicas and concurrency must be >= 1")
+    if len(records) != len(oracle_hit_tokens):
+        raise ValueError("one oracle figure per record")
+    generated = sum(len(r.completion) for r in records)
+    if not generated:
+        return math.nan
+    prefill_tokens = sum(
+        len(r.prompt) - hit for r, hit in zip(records, oracle_hit_tokens, strict=True)
+    )
+    bs = sim.block_size
+    mean_blocks = sum(-(-(len(r.prompt) + len(r.completion)) // bs) for r in records) / len(records)
+    batch = min(concurrency / replicas, sim.max_num_seqs, sim.kv_blocks / mean_blocks)
+    decode_tok_s = batch / sim.step_seconds(batch)
+    seconds = (
+        prefill_tokens * sim.prefill_us_per_token / 1e6 + generated / decode_tok_s
+    ) / replicas
+    return generated / seconds

@@ -85,7 +85,13 @@ class Settings(BaseSettings):
         "(8 samples per prompt), the published proxy's value: a replica may take a whole "
         "extra group for the cache before load wins.",
     )
-    policy: str = Field("prefix", description=f"Routing policy: {', '.join(sorted(POLICIES))}.")
+    policy: str = Field(
+        "cost",
+        description="Routing policy: "
+        f"{', '.join(sorted(POLICIES))}. cost: the replica where the request adds the least "
+        "prefill + decode time (proxy/core/policy.py, constants from H100 figures); it beat "
+        "prefix, round_robin and least_loaded in bench/results/routing.md.",
+    )
     hash_mode: Literal["fast", "exact"] = Field(
         "fast",
         description="fast: xxh3 chains (routing only). exact: vLLM's own block hashes, to "
