@@ -120,7 +120,8 @@ def oracle_hits(
 
 
 def throughput_ceiling(
-    records: Sequence[RequestRecord],
+    prompt_tokens: Sequence[int],
+    completion_tokens: Sequence[int],
     oracle_hit_tokens: Sequence[int],
     *,
     replicas: int,
@@ -129,29 +130,24 @@ def throughput_ceiling(
 ) -> float:
     """Generated tokens/s (simulated) of a router with perfect affinity and perfect balance.
 
-    The same successful requests, each prefilling only what the oracle could not hit
-    (``oracle_hit_tokens``, one per record), on ``replicas`` replicas that all run the same
-    batch for the whole run: ``concurrency`` requests (TRL's rollouts in flight) shared evenly,
-    bounded by the batch slots and by how many average requests the KV cache holds at once.
-    Each replica then spends its share of the prefill time plus its share of the decode time
-    (prefill holds the batch, as in the simulator). Syncs (frozen replicas) and the run's
-    ramp-up and drain are left out, so no router reaches it.
+    The same successful requests (their prompt and completion lengths), each prefilling only
+    what the oracle could not hit (``oracle_hit_tokens``), on ``replicas`` replicas that all run
+    the same batch for the whole run: ``concurrency`` requests (TRL's rollouts in flight) shared
+    evenly, at most the batch slots. Each replica spends its share of the prefill time plus its
+    share of the decode time (prefill holds the batch, as in the simulator). Decode tokens/s
+    grow with the batch, and no router's average batch exceeds this one, so it bounds every
+    router from above; KV capacity is not a bound here (concurrent requests of a group share
+    their prompt's blocks), nor are syncs, ramp-up and drain, so no router reaches it.
     """
     if replicas < 1 or concurrency < 1:
         raise ValueError("replicas and concurrency must be >= 1")
-    if len(records) != len(oracle_hit_tokens):
-        raise ValueError("one oracle figure per record")
-    generated = sum(len(r.completion) for r in records)
+    if not len(prompt_tokens) == len(completion_tokens) == len(oracle_hit_tokens):
+        raise ValueError("one prompt, completion and oracle figure per request")
+    generated = sum(completion_tokens)
     if not generated:
         return math.nan
-    prefill_tokens = sum(
-        len(r.prompt) - hit for r, hit in zip(records, oracle_hit_tokens, strict=True)
-    )
-    bs = sim.block_size
-    mean_blocks = sum(-(-(len(r.prompt) + len(r.completion)) // bs) for r in records) / len(records)
-    batch = min(concurrency / replicas, sim.max_num_seqs, sim.kv_blocks / mean_blocks)
+    prefill_tokens = sum(prompt_tokens) - sum(oracle_hit_tokens)
+    batch = min(concurrency / replicas, sim.max_num_seqs)
     decode_tok_s = batch / sim.step_seconds(batch)
-    seconds = (
-        prefill_tokens * sim.prefill_us_per_token / 1e6 + generated / decode_tok_s
-    ) / replicas
-    return generated / seconds
+    prefill_s = prefill_tokens * sim.prefill_us_per_token / 1e6
+    return generated / ((prefill_s + generated / decode_tok_s) / replicas)

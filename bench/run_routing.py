@@ -301,6 +301,40 @@ def _added_latency_ms(trace: RunTrace, stats: list[dict[str, Any]], sim: SimConf
     return added
 
 
+def _set_ceiling(
+    result: RunResult,
+    prompts: Sequence[int],
+    completions: Sequence[int],
+    oracle_hits: Sequence[int],
+    wcfg: WorkloadConfig,
+    sim: SimConfig,
+) -> None:
+    result.ceiling_tok_s = throughput_ceiling(
+        prompts,
+        completions,
+        oracle_hits,
+        replicas=result.replicas,
+        concurrency=wcfg.max_inflight,
+        sim=sim,
+    )
+    if result.ceiling_tok_s > 0:
+        result.ceiling_share = result.throughput_tok_s / result.ceiling_tok_s
+
+
+def _ceiling_from_dump(result: RunResult, dump: Path, w: Workload) -> None:
+    """Recompute a finished run's ceiling from its per-request dump (same inputs as the run)."""
+    rows = [json.loads(line) for line in dump.read_text().splitlines()]
+    rows = [r for r in rows if "prompt_tokens" in r]
+    _set_ceiling(
+        result,
+        [r["prompt_tokens"] for r in rows],
+        [r["completion_tokens"] for r in rows],
+        [r["oracle_hit_tokens"] for r in rows],
+        w.workload,
+        w.sim_for(result.replicas),
+    )
+
+
 def _metrics(
     result: RunResult,
     trace: RunTrace,
@@ -373,15 +407,14 @@ def _metrics(
     added = _added_latency_ms(trace, stats, sim)
     result.added_p50_ms = percentile(added, 50)
     result.added_p99_ms = percentile(added, 99)
-    result.ceiling_tok_s = throughput_ceiling(
-        ok,
+    _set_ceiling(
+        result,
+        [len(r.prompt) for r in ok],
+        [len(r.completion) for r in ok],
         oracle.per_request,
-        replicas=len(stats),
-        concurrency=wcfg.max_inflight,
-        sim=sim,
+        wcfg,
+        sim,
     )
-    if result.ceiling_tok_s > 0:
-        result.ceiling_share = result.throughput_tok_s / result.ceiling_tok_s
     result.per_replica = [
         {
             k: s[k]
@@ -553,6 +586,38 @@ def _targets(results: Sequence[RunResult]) -> tuple[list[list[str]], list[str]]:
     return rows, notes
 
 
+def _contention_lines(results: Sequence[RunResult]) -> list[str]:
+    """How much of the spread between routers in a cell the real added latency explains: per
+    workload, the correlation over runs of (added p50 - cell mean) with (throughput / cell
+    mean)."""
+    lines: list[str] = []
+    for workload in dict.fromkeys(r.workload for r in results):
+        xs: list[float] = []
+        ys: list[float] = []
+        for n in sorted({r.replicas for r in results if r.workload == workload}):
+            cell = list(_cell(results, workload, n).values())
+            if len(cell) < 2:
+                continue
+            mean_added = statistics.fmean(r.added_p50_ms for r in cell)
+            mean_tput = statistics.fmean(r.throughput_tok_s for r in cell)
+            xs += [r.added_p50_ms - mean_added for r in cell]
+            ys += [r.throughput_tok_s / mean_tput for r in cell]
+        if len(xs) >= 3 and len(set(xs)) > 1 and len(set(ys)) > 1:
+            r = statistics.correlation(xs, ys)
+            lines.append(
+                f"- `{workload}`: r = {r:.2f} over {len(xs)} runs between a run's added real "
+                "latency per request (p50, minus its cell's mean) and its throughput (over its "
+                "cell's mean).\n"
+            )
+    if not lines:
+        return []
+    return [
+        "\nHow much of the spread between routers within a cell is real time (router hop, CPU "
+        "contention on the shared machine) rather than routing, magnified by 1/time_scale:\n\n",
+        *lines,
+    ]
+
+
 def _sim_seconds(real_s: float, sim: SimConfig) -> str:
     return fmt(real_s / sim.time_scale, 2)
 
@@ -609,9 +674,12 @@ def write_report(
     command: str,
     wall_s: float,
     probe_interval_sim_s: float | None,
+    machine: dict[str, Any] | None = None,
+    measured_at: str | None = None,
 ) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    machine = machine_description()
+    machine = machine or machine_description()
+    measured_at = measured_at or time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     md: list[str] = ["# Routing: rollout-proxy vs the alternatives\n\n"]
     probes = (
         "each router's own default probe period"
@@ -619,7 +687,7 @@ def write_report(
         else f"every router probing its replicas every {probe_interval_sim_s:g} simulated s"
     )
     md.append(
-        f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} with `{command}` "
+        f"Measured {measured_at} with `{command}` "
         f"({wall_s:.0f} s wall), one run per cell, {probes}. Machine: {machine['nproc']} cores "
         f"({machine['cpu']}), {machine['memory']}, Python {machine['python']}, shared with other "
         "jobs. Replicas are simulated (bench/simulator.py); figures are simulated seconds "
@@ -659,6 +727,7 @@ def write_report(
         if notes:
             md.append("\nMissed targets, with the figures:\n\n")
             md.extend(f"- {line}\n" for line in notes)
+    md.extend(_contention_lines(results))
     md.append("\n![routing](routing.png)\n")
     for w in workloads:
         ran = [r for r in results if r.workload == w.name]
@@ -731,6 +800,8 @@ def write_report(
         "probe_interval_sim_s": probe_interval_sim_s,
         "machine": machine,
         "command": command,
+        "measured_at": measured_at,
+        "wall_s": wall_s,
         "results": [dataclasses.asdict(r) for r in results],
     }
     (out / "routing.json").write_text(json.dumps(raw, indent=1, default=str))
@@ -802,8 +873,12 @@ def _plot(results: Sequence[RunResult], workloads: Sequence[str], path: Path) ->
     routers = list(dict.fromkeys(r.router for r in ran))
     if not routers or not shown:
         return
-    panels = [("throughput_tok_s", "throughput (tok/s, simulated)"), ("p99_s", "p99 latency (s)")]
-    fig, axes = plt.subplots(len(shown), 2, figsize=(13, 3.6 * len(shown)), squeeze=False)
+    panels = [
+        ("throughput_tok_s", "throughput (tok/s, simulated)"),
+        ("p99_s", "p99 latency (s, simulated)"),
+        ("added_p50_ms", "added per request p50 (real ms)"),
+    ]
+    fig, axes = plt.subplots(len(shown), 3, figsize=(18, 3.6 * len(shown)), squeeze=False)
     width = 0.8 / len(routers)
     for row, workload in enumerate(shown):
         sizes = sorted({r.replicas for r in ran if r.workload == workload})
@@ -854,6 +929,14 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         f"own default in real s (default {PROBE_INTERVAL_SIM_S:g}, see bench/routers.py)",
     )
     p.add_argument("--startup-timeout", type=float, default=60.0)
+    p.add_argument(
+        "--report-from",
+        type=Path,
+        default=None,
+        help="rewrite routing.md/.png in --out from this routing.json instead of running",
+    )
+    p.add_argument("--wall-s", type=float, default=None, help="with --report-from: wall time")
+    p.add_argument("--measured-at", default=None, help="with --report-from: when it ran")
     return p.parse_args(argv)
 
 
@@ -903,8 +986,52 @@ def probe_interval(args: argparse.Namespace) -> float | None:
     return value
 
 
+def rerender(
+    raw_path: Path, out: Path, wall_s: float | None = None, measured_at: str | None = None
+) -> Path:
+    """Write routing.md/.png/.json again from a run's routing.json (report changes without
+    rerunning the matrix; ceilings are recomputed from the per-request dumps next to it when
+    present). ``wall_s`` and ``measured_at`` fill in JSON written before it stored them."""
+    raw = json.loads(raw_path.read_text())
+    workloads = [
+        Workload(
+            name,
+            WORKLOADS[name].description,
+            WorkloadConfig(**spec["workload"]),
+            SimConfig(**spec["simulator"]),
+            spec["kv_share"],
+        )
+        for name, spec in raw["workloads"].items()
+    ]
+    results = [RunResult(**r) for r in raw["results"]]
+    command = raw["command"]
+    if "--report-from" not in command:
+        command += f"` (report rewritten by `python -m bench.run_routing --report-from {raw_path}`"
+        command += ", ceilings recomputed from the per-request dumps)"
+    by_name = {w.name: w for w in workloads}
+    logs = raw_path.parent / "tmp" / "logs"
+    for r in results:
+        dump = logs / f"requests-{r.workload}-{r.router}-{r.replicas}.jsonl"
+        if r.status == "ok" and dump.exists():
+            _ceiling_from_dump(r, dump, by_name[r.workload])
+    wall = wall_s if wall_s is not None else raw.get("wall_s", math.nan)
+    return write_report(
+        results,
+        workloads,
+        out,
+        command,
+        wall,
+        raw["probe_interval_sim_s"],
+        machine=raw["machine"],
+        measured_at=measured_at or raw.get("measured_at") or "(time not recorded)",
+    )
+
+
 async def amain(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
+    if args.report_from is not None:
+        print(f"wrote {rerender(args.report_from, args.out, args.wall_s, args.measured_at)}")
+        return 0
     workloads, sizes = configs(args)
     interval = probe_interval(args)
     specs = select([x for x in args.routers.split(",") if x])

@@ -81,9 +81,10 @@ class Settings(BaseSettings):
     imbalance: float = Field(
         8,
         ge=0,
-        description="In-flight gap at which affinity yields to load. 8 = one GRPO group "
-        "(8 samples per prompt), the published proxy's value: a replica may take a whole "
-        "extra group for the cache before load wins.",
+        description="prefix policy: in-flight gap at which affinity yields to load. 8 = one "
+        "GRPO group (8 samples per prompt), the published proxy's value: a replica may take a "
+        "whole extra group for the cache before load wins. The cost policy prices the gap "
+        "instead.",
     )
     policy: str = Field(
         "cost",

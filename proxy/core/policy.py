@@ -8,9 +8,11 @@ decisions is deterministic and testable.
 there adds to everyone's requests, and picks the cheapest: the prefill of the prompt tokens that
 replica does not hold (which stalls its running batch too) plus the decode interference of sharing
 its batch. Affinity therefore wins exactly when the prefill it saves outweighs the queue it joins.
-The shape follows Dynamo's KV router (cost = w * prefill blocks + decode blocks, both from the
-router's own view of the workers) and llm-d's scorers (prefix match and queue depth combined into
-one score); the weights here are not tuned but derived from the hardware, see :class:`CostModel`.
+The shape follows Dynamo's KV router (cost = overlap weight * new prefill blocks + active decode
+blocks, per worker, from the router's own bookkeeping) and llm-d's scheduler (filter -> score ->
+pick, its default profile adding a queue-depth scorer at weight 2 to a prefix-cache scorer at
+weight 3). Their weights are unitless knobs; here both terms are seconds, derived from the
+hardware (:class:`CostModel`), so no weight is left to tune.
 """
 
 from __future__ import annotations

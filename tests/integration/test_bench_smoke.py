@@ -84,6 +84,16 @@ def test_routing_smoke_with_our_proxy(tmp_path: Path) -> None:
     # The proxy broadcasts TRL's control calls, so the driver sent them through it.
     assert ours["control"] == "through router"
     assert sum(ours["decisions"].values()) >= ours["requests"]
+    # The report can be written again from the JSON alone: the same tables and figures, only
+    # the header says it was rewritten.
+    again = tmp_path / "again"
+    _run("bench.run_routing", "--report-from", str(tmp_path / "routing.json"), "--out", str(again))
+
+    def body(path: Path) -> list[str]:
+        return [x for x in path.read_text().splitlines() if not x.startswith("Measured ")]
+
+    assert body(again / "routing.md") == body(tmp_path / "routing.md")
+    assert "report rewritten" in (again / "routing.md").read_text()
 
 
 @pytest.mark.parametrize("router", RUST_ROUTERS)

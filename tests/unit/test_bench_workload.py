@@ -223,24 +223,18 @@ def test_oracle_ignores_failed_requests() -> None:
 
 def test_throughput_ceiling_is_balanced_decode_plus_oracle_prefill() -> None:
     sim = SimConfig(prefill_us_per_token=1000.0, decode_step_base_ms=10.0, decode_step_per_seq_ms=1)
-    recs = [_rec(0.0, list(range(100)), [1] * 50), _rec(0.0, list(range(100)), [1] * 50)]
     # 4 in flight on 2 replicas: batch 2, a step of 12 ms -> 2/0.012 tok/s per replica.
     # Prefill: 200 - 96 oracle hits = 104 tokens at 1 ms, split over the 2 replicas.
     seconds = (104 * 1e-3 + 100 / (2 / 0.012)) / 2
-    got = throughput_ceiling(recs, [0, 96], replicas=2, concurrency=4, sim=sim)
+    got = throughput_ceiling([100, 100], [50, 50], [0, 96], replicas=2, concurrency=4, sim=sim)
     assert got == pytest.approx(100 / seconds)
-    # A cache that holds one 10-block request at a time caps the batch at 1.
-    tiny = SimConfig(
-        prefill_us_per_token=0.0,
-        decode_step_base_ms=10.0,
-        decode_step_per_seq_ms=1,
-        kv_blocks=10,
-        max_model_len=160,
-    )
-    one = throughput_ceiling(recs, [0, 96], replicas=2, concurrency=4, sim=tiny)
-    assert one == pytest.approx(100 / ((100 / (1 / 0.011)) / 2))
+    # The batch never exceeds the slots; more replicas than requests run fractional batches.
+    slots = dataclasses.replace(sim, max_num_seqs=1)
+    one = throughput_ceiling([100, 100], [50, 50], [0, 96], replicas=2, concurrency=4, sim=slots)
+    assert one == pytest.approx(100 / ((104 * 1e-3 + 100 / (1 / 0.011)) / 2))
+    assert math.isnan(throughput_ceiling([1], [0], [0], replicas=2, concurrency=4, sim=sim))
     with pytest.raises(ValueError):
-        throughput_ceiling(recs, [0], replicas=2, concurrency=4, sim=sim)
+        throughput_ceiling([100], [50, 50], [0], replicas=2, concurrency=4, sim=sim)
 
 
 # -- report helpers ----------------------------------------------------------------------------
