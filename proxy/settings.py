@@ -90,8 +90,10 @@ class Settings(BaseSettings):
         "cost",
         description="Routing policy: "
         f"{', '.join(sorted(POLICIES))}. cost: the replica where the request adds the least "
-        "prefill + decode time (proxy/core/policy.py, constants from H100 figures); it beat "
-        "prefix, round_robin and least_loaded in bench/results/routing.md.",
+        "prefill + decode time (proxy/core/policy.py, constants from H100 figures). Default "
+        "because it led prefix and round_robin on throughput in 9 of 12 benchmark cells "
+        "(least_loaded in 6) with the best balance, and won where KV memory is short "
+        "(bench/results/routing.md).",
     )
     hash_mode: Literal["fast", "exact"] = Field(
         "fast",
