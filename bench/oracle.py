@@ -18,11 +18,12 @@ running blocks, which a replica cannot evict, are ignored by the oracle.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from bench.simulator import block_hashes
+from bench.simulator import SimConfig, block_hashes
 from bench.workload import RequestRecord
 
 
@@ -116,3 +117,37 @@ def oracle_hits(
             cache.touch(hashes[n_prompt:])
     ordered = tuple(per[i] for i in sorted(per))
     return OracleResult(sum(ordered), queries, ordered)
+
+
+def throughput_ceiling(
+    prompt_tokens: Sequence[int],
+    completion_tokens: Sequence[int],
+    oracle_hit_tokens: Sequence[int],
+    *,
+    replicas: int,
+    concurrency: int,
+    sim: SimConfig,
+) -> float:
+    """Generated tokens/s (simulated) of a router with perfect affinity and perfect balance.
+
+    The same successful requests (their prompt and completion lengths), each prefilling only
+    what the oracle could not hit (``oracle_hit_tokens``), on ``replicas`` replicas that all run
+    the same batch for the whole run: ``concurrency`` requests (TRL's rollouts in flight) shared
+    evenly, at most the batch slots. Each replica spends its share of the prefill time plus its
+    share of the decode time (prefill holds the batch, as in the simulator). Decode tokens/s
+    grow with the batch, and no router's average batch exceeds this one, so it bounds every
+    router from above; KV capacity is not a bound here (concurrent requests of a group share
+    their prompt's blocks), nor are syncs, ramp-up and drain, so no router reaches it.
+    """
+    if replicas < 1 or concurrency < 1:
+        raise ValueError("replicas and concurrency must be >= 1")
+    if not len(prompt_tokens) == len(completion_tokens) == len(oracle_hit_tokens):
+        raise ValueError("one prompt, completion and oracle figure per request")
+    generated = sum(completion_tokens)
+    if not generated:
+        return math.nan
+    prefill_tokens = sum(prompt_tokens) - sum(oracle_hit_tokens)
+    batch = min(concurrency / replicas, sim.max_num_seqs)
+    decode_tok_s = batch / sim.step_seconds(batch)
+    prefill_s = prefill_tokens * sim.prefill_us_per_token / 1e6
+    return generated / ((prefill_s + generated / decode_tok_s) / replicas)

@@ -1,14 +1,25 @@
 """The routers compared, and how each is started.
 
-- ``proxy``: rollout-proxy with its default prefix-affine policy.
-- ``proxy-rr`` / ``proxy-ll``: the same process with ``PROXY_POLICY=round_robin|least_loaded``,
-  the naive baselines (same HTTP path, so only the policy differs).
+- ``proxy``: rollout-proxy with its default policy (``cost``; the process gets no
+  ``PROXY_POLICY``, so the row follows whatever the default is).
+- ``proxy-prefix`` / ``proxy-rr`` / ``proxy-ll``: the same process with
+  ``PROXY_POLICY=prefix|round_robin|least_loaded`` (same HTTP path, so only the policy differs).
 - ``vllm-router``: the vLLM project's Rust router (PyPI ``vllm-router``), ``--policy cache_aware``.
 - ``sglang-router``: SGLang's Rust router (PyPI ``sglang-router``), ``--policy cache_aware``.
 
 Both Rust routers keep their defaults otherwise (cache threshold 0.3, balance thresholds 64 / 1.5),
 which is what a user switching to them gets. They are installed in a separate venv
 (``.venv-bench``, see bench/README.md) and skipped with a reason when absent.
+
+Health probes: every router probes its replicas at the same period, given in *simulated* seconds
+(``probe_interval_s``, real = simulated * time_scale). On this shared 2-core machine the probes'
+CPU competes with the simulated engines, which real replicas' GPUs never do, and any real delay is
+magnified 1/time_scale times; so the benchmark gives every router the Rust routers' own default,
+60 s, instead of each router's default in real seconds (the proxy's 2 s real would be 20 s
+simulated at time_scale 0.1, 30x more often than vllm-router's 60 s real = 600 s simulated).
+
+To add a router, add a :class:`RouterSpec` to ``ROUTERS`` (name, how to start it); the runner
+iterates over whatever is registered.
 """
 
 from __future__ import annotations
@@ -41,7 +52,16 @@ class RouterSpec:
             )
         return None
 
-    def argv(self, replica_urls: Sequence[str], port: int) -> list[str]:
+    def environment(self, probe_interval_real_s: float | None = None) -> dict[str, str]:
+        """The process environment overrides, with the probe period for our proxy."""
+        env = dict(self.env)
+        if self.tool is None and probe_interval_real_s is not None:
+            env["PROXY_HEALTH_INTERVAL_S"] = f"{probe_interval_real_s:g}"
+        return env
+
+    def argv(
+        self, replica_urls: Sequence[str], port: int, probe_interval_real_s: float | None = None
+    ) -> list[str]:
         if self.tool is None:
             return [
                 sys.executable,
@@ -57,15 +77,14 @@ class RouterSpec:
         exe = find_tool(self.tool)
         if exe is None:
             raise RuntimeError(self.unavailable() or self.tool)
-        return rust_router_argv(self.tool, exe, replica_urls, port)
+        return rust_router_argv(self.tool, exe, replica_urls, port, probe_interval_real_s)
 
 
 ROUTERS: dict[str, RouterSpec] = {
     spec.name: spec
     for spec in (
-        RouterSpec(
-            "proxy", "rollout-proxy, prefix policy (default)", env={"PROXY_POLICY": "prefix"}
-        ),
+        RouterSpec("proxy", "rollout-proxy, default policy (cost)"),
+        RouterSpec("proxy-prefix", "rollout-proxy, prefix", env={"PROXY_POLICY": "prefix"}),
         RouterSpec("proxy-rr", "rollout-proxy, round_robin", env={"PROXY_POLICY": "round_robin"}),
         RouterSpec("proxy-ll", "rollout-proxy, least_loaded", env={"PROXY_POLICY": "least_loaded"}),
         RouterSpec("vllm-router", "vllm-router --policy cache_aware", tool="vllm-router"),
@@ -86,9 +105,16 @@ def select(names: Sequence[str]) -> list[RouterSpec]:
     return [ROUTERS[n] for n in names]
 
 
-def rust_router_argv(tool: str, exe: str, replica_urls: Sequence[str], port: int) -> list[str]:
+def rust_router_argv(
+    tool: str,
+    exe: str,
+    replica_urls: Sequence[str],
+    port: int,
+    probe_interval_real_s: float | None = None,
+) -> list[str]:
     """Command line of vllm-router or sglang-router in cache-aware mode on 127.0.0.1 (the
-    routing and the overhead benchmarks start them the same way)."""
+    routing and the overhead benchmarks start them the same way); ``probe_interval_real_s``
+    sets their health-check period (whole seconds, at least 1: they take an integer)."""
     launch = ["launch"] if tool == "sglang-router" else []
     if tool not in ("vllm-router", "sglang-router"):
         raise ValueError(f"unknown router {tool!r}")
@@ -107,4 +133,8 @@ def rust_router_argv(tool: str, exe: str, replica_urls: Sequence[str], port: int
         "127.0.0.1",
         "--prometheus-port",
         str(free_port()),
-    ]
+    ] + (
+        []
+        if probe_interval_real_s is None
+        else ["--health-check-interval-secs", str(max(1, round(probe_interval_real_s)))]
+    )

@@ -1,12 +1,17 @@
-"""Routing quality: the same AsyncGRPO-shaped workload through each router, in front of simulated
-vLLM replicas; reports prefix-cache hit rate (against an oracle), load imbalance, throughput and
-latency for 2, 4 and 8 replicas.
+"""Routing: the same AsyncGRPO-shaped workload through each router, in front of simulated vLLM
+replicas; reports what users feel first (fleet throughput, tail latency, what weight syncs cost),
+then prefix-cache hits against an oracle and load imbalance, for each workload and fleet size.
 
-    python -m bench.run_routing                 # full run -> bench/results/routing.md + PNGs
+    python -m bench.run_routing                     # grpo, 2,4,8,16 replicas -> bench/results/
+    python -m bench.run_routing --workload grpo,agentic,tight --groups 16   # the full matrix
     python -m bench.run_routing --smoke --out /tmp/r   # seconds: 2 replicas, tiny workload
 
-Each (router, replica count) run gets a fresh simulator fleet and a fresh router process, so no
-state carries over. See bench/README.md for what every column means.
+Workloads (``WORKLOADS``): ``grpo`` (short math prompts, long answers: decode-bound), ``agentic``
+(multi-turn tool use, contexts of several thousand tokens: prefill matters), ``tight`` (the agentic
+shape on replicas whose KV cache holds about a quarter of the working set).
+
+Each (workload, router, replica count) run gets a fresh simulator fleet and a fresh router
+process, so no state carries over. See bench/README.md for what every column means.
 """
 
 from __future__ import annotations
@@ -28,29 +33,39 @@ from typing import Any
 
 import aiohttp
 
-from bench.oracle import oracle_hits
+from bench.oracle import oracle_hits, throughput_ceiling
 from bench.procs import REPO, ManagedProcess, free_port, machine_description, managed
 from bench.report import fmt, pct, percentile, table
 from bench.routers import ROUTERS, RouterSpec, select
 from bench.simulator import SimConfig
 from bench.workload import (
+    WORKLOADS,
     ControlPlane,
     Driver,
     PromptFormat,
     RunTrace,
+    Workload,
     WorkloadConfig,
     build_plan,
     completion_body,
     config_dict,
     plan_summary,
+    working_set_blocks,
 )
 
 DEFAULT_OUT = REPO / "bench" / "results"
 PROBE_ADAPTER = "bench-control-probe"
 
-# Targets from the issue (ratios within one run).
+# Targets from the issues (ratios within one run).
 TARGET_ORACLE_RATIO = 0.98
 TARGET_IMBALANCE = 1.10
+TARGET_P99_RATIO = 1.05  # proxy p99 <= 1.05 x the best of the others
+TARGET_AGENTIC_VS_LL = 1.2  # agentic: proxy throughput >= 1.2 x least_loaded's
+# The routers the default proxy must match or beat (the issue's "best of the others").
+COMPARED = ("vllm-router", "sglang-router", "proxy-ll", "proxy-rr")
+# Every router probes its replicas this often, in simulated seconds: the Rust routers' default
+# --health-check-interval-secs (see bench/routers.py for why one period for all).
+PROBE_INTERVAL_SIM_S = 60.0
 
 
 @dataclass
@@ -88,6 +103,7 @@ class RunResult:
     router: str
     replicas: int
     status: str  # ok | skipped | failed
+    workload: str = "grpo"
     reason: str = ""
     control: str = ""
     probe: str = ""
@@ -109,6 +125,20 @@ class RunResult:
     server_p50_s: float = math.nan
     server_p99_s: float = math.nan
     makespan_real_s: float = math.nan
+    # Weight syncs as TRL sees them (first /pause sent to the last /resume answered), real
+    # seconds, and the time each replica spent frozen (mean over replicas, simulated seconds).
+    syncs: int = 0
+    sync_mean_real_s: float = math.nan
+    sync_max_real_s: float = math.nan
+    paused_sim_s: float = math.nan
+    # Per request: client-observed real latency minus the replica's own (arrival to last token,
+    # real = simulated * time_scale): what the router (and client) added, in real milliseconds.
+    added_p50_ms: float = math.nan
+    added_p99_ms: float = math.nan
+    # The throughput a router with perfect affinity and perfect balance could reach (oracle
+    # prefill, every replica at the same batch), and this run's share of it.
+    ceiling_tok_s: float = math.nan
+    ceiling_share: float = math.nan
     # Diagnostics: replicas per GRPO group (first turns), and the proxy's own decision counters.
     # Oracle hit tokens missed on first turns and on multi-turn continuations, as shares of the
     # oracle's hits (from each answer's usage.prompt_tokens_details.cached_tokens).
@@ -163,7 +193,12 @@ async def _wait_ready(
 async def _probe_control(
     session: aiohttp.ClientSession, router_url: str, replica_urls: Sequence[str]
 ) -> ControlProbe:
-    """Send TRL's control calls through the router once and look at every replica."""
+    """Send TRL's control calls through the router once and look at every replica.
+
+    The calls are undone the same way, through the router (then directly on any replica still
+    affected): a router that tracks the fleet's desired state, as rollout-proxy does, would
+    otherwise re-apply the pause and the probe adapter on its next health round and freeze
+    the replicas until the run's first weight sync resumes them."""
     probe = ControlProbe(replicas=len(replica_urls))
     body = {"lora_name": PROBE_ADAPTER, "lora_path": "/tmp/rollout-bench/probe"}
     probe.load_status, _ = await _post(session, router_url + "/v1/load_lora_adapter", body)
@@ -171,14 +206,20 @@ async def _probe_control(
         models = await _get_json(session, url + "/v1/models")
         if any(m["id"] == PROBE_ADAPTER for m in models["data"]):
             probe.load_replicas += 1
-            await _post(session, url + "/v1/unload_lora_adapter", {"lora_name": PROBE_ADAPTER})
     probe.pause_status, _ = await _post(session, router_url + "/pause?mode=keep")
     for url in replica_urls:
         state = await _get_json(session, url + "/sim/stats?log=0")
         if (await _get_json(session, url + "/is_paused"))["is_paused"]:
             probe.pause_replicas += 1
             probe.pause_modes.append(state["last_pause_mode"] or "?")
+    await _post(session, router_url + "/resume")
+    await _post(session, router_url + "/v1/unload_lora_adapter", {"lora_name": PROBE_ADAPTER})
+    for url in replica_urls:
+        if (await _get_json(session, url + "/is_paused"))["is_paused"]:
             await _post(session, url + "/resume")
+        models = await _get_json(session, url + "/v1/models")
+        if any(m["id"] == PROBE_ADAPTER for m in models["data"]):
+            await _post(session, url + "/v1/unload_lora_adapter", {"lora_name": PROBE_ADAPTER})
     return probe
 
 
@@ -241,15 +282,69 @@ def _dump_requests(
             f.write(json.dumps({"cache_clear_at": (t - trace.t_start) / sim.time_scale}) + "\n")
 
 
+def _added_latency_ms(trace: RunTrace, stats: list[dict[str, Any]], sim: SimConfig) -> list[float]:
+    """Per successful request: client-observed real latency minus the replica's own real time
+    on it (matched through the replica index and request number in the answer's id)."""
+    served: dict[tuple[int, int], float] = {}
+    for s in stats:
+        for row in s.get("log", []):
+            served[(s["replica"], row[7])] = (row[3] - row[0]) * sim.time_scale
+    added: list[float] = []
+    for r in trace.ok_records:
+        m = _SIM_ID.match(r.response_id)
+        if m is None:
+            continue
+        number = int(r.response_id[m.end() :])
+        replica_s = served.get((int(m.group(1)), number))
+        if replica_s is not None:
+            added.append((r.t_recv - r.t_send - replica_s) * 1e3)
+    return added
+
+
+def _set_ceiling(
+    result: RunResult,
+    prompts: Sequence[int],
+    completions: Sequence[int],
+    oracle_hits: Sequence[int],
+    wcfg: WorkloadConfig,
+    sim: SimConfig,
+) -> None:
+    result.ceiling_tok_s = throughput_ceiling(
+        prompts,
+        completions,
+        oracle_hits,
+        replicas=result.replicas,
+        concurrency=wcfg.max_inflight,
+        sim=sim,
+    )
+    if result.ceiling_tok_s > 0:
+        result.ceiling_share = result.throughput_tok_s / result.ceiling_tok_s
+
+
+def _ceiling_from_dump(result: RunResult, dump: Path, w: Workload) -> None:
+    """Recompute a finished run's ceiling from its per-request dump (same inputs as the run)."""
+    rows = [json.loads(line) for line in dump.read_text().splitlines()]
+    rows = [r for r in rows if "prompt_tokens" in r]
+    _set_ceiling(
+        result,
+        [r["prompt_tokens"] for r in rows],
+        [r["completion_tokens"] for r in rows],
+        [r["oracle_hit_tokens"] for r in rows],
+        w.workload,
+        w.sim_for(result.replicas),
+    )
+
+
 def _metrics(
     result: RunResult,
     trace: RunTrace,
     stats: list[dict[str, Any]],
     sim: SimConfig,
-    group_size: int,
+    wcfg: WorkloadConfig,
     dump: Path | None = None,
 ) -> None:
     """Fill ``result`` from the client's trace and the replicas' counters."""
+    group_size = wcfg.group_size
     ok = trace.ok_records
     result.requests = len(trace.records)
     result.errors = len(trace.errors)
@@ -303,6 +398,23 @@ def _metrics(
     result.server_p50_s = percentile(server, 50)
     result.server_p99_s = percentile(server, 99)
     result.groups_whole, result.replicas_per_group = _group_placement(trace, group_size)
+    durations = [end - start for start, end in trace.syncs]
+    result.syncs = len(durations)
+    if durations:
+        result.sync_mean_real_s = statistics.fmean(durations)
+        result.sync_max_real_s = max(durations)
+    result.paused_sim_s = statistics.fmean(s.get("paused_s", 0.0) for s in stats)
+    added = _added_latency_ms(trace, stats, sim)
+    result.added_p50_ms = percentile(added, 50)
+    result.added_p99_ms = percentile(added, 99)
+    _set_ceiling(
+        result,
+        [len(r.prompt) for r in ok],
+        [len(r.completion) for r in ok],
+        oracle.per_request,
+        wcfg,
+        sim,
+    )
     result.per_replica = [
         {
             k: s[k]
@@ -315,18 +427,21 @@ def _metrics(
 async def run_one(
     spec: RouterSpec,
     n: int,
-    wcfg: WorkloadConfig,
-    sim: SimConfig,
+    workload: Workload,
     log_dir: Path,
     startup_timeout_s: float,
+    probe_interval_sim_s: float | None = PROBE_INTERVAL_SIM_S,
 ) -> RunResult:
-    result = RunResult(spec.name, n, "ok")
+    """One router on ``n`` replicas. ``probe_interval_sim_s`` None: each router's own default."""
+    wcfg, sim = workload.workload, workload.sim_for(n)
+    result = RunResult(spec.name, n, "ok", workload=workload.name)
     reason = spec.unavailable()
     if reason is not None:
         result.status, result.reason = "skipped", reason
         return result
     plan = build_plan(wcfg)
-    tag = f"{spec.name}-{n}"
+    tag = f"{workload.name}-{spec.name}-{n}"
+    probe_real = None if probe_interval_sim_s is None else probe_interval_sim_s * sim.time_scale
     sim_argv = [
         sys.executable,
         "-m",
@@ -347,7 +462,12 @@ async def run_one(
         port = free_port()
         router_url = f"http://127.0.0.1:{port}"
         router = stack.enter_context(
-            managed(spec.name, spec.argv(urls, port), log_dir / f"router-{tag}.log", spec.env)
+            managed(
+                spec.name,
+                spec.argv(urls, port, probe_real),
+                log_dir / f"router-{tag}.log",
+                spec.environment(probe_real),
+            )
         )
         async with aiohttp.ClientSession(timeout=timeout) as session:
             await _wait_ready(
@@ -371,7 +491,7 @@ async def run_one(
                 f"router exited during the run; {router.tail()}",
             )
     dump = log_dir / f"requests-{tag}.jsonl"
-    _metrics(result, trace, stats, sim, wcfg.group_size, dump)
+    _metrics(result, trace, stats, sim, wcfg, dump)
     if result.errors:
         result.status = "failed" if result.errors == result.requests else "ok"
         result.reason = (
@@ -384,95 +504,246 @@ async def run_one(
 # Report.
 
 
-def _targets(results: Sequence[RunResult]) -> list[str]:
-    """Target lines computed from the measured rows."""
-    lines = []
-    ours = {r.replicas: r for r in results if r.router == "proxy" and r.status == "ok"}
-    for n, r in sorted(ours.items()):
-        ok_ratio = r.oracle_ratio >= TARGET_ORACLE_RATIO
-        ok_imb = r.imbalance_busy <= TARGET_IMBALANCE
-        rust = [
-            x
-            for x in results
-            if x.replicas == n and x.router in ("vllm-router", "sglang-router") and x.status == "ok"
-        ]
-        above = all(r.hit_rate > x.hit_rate for x in rust)
-        rust_txt = ", ".join(f"{x.router} {pct(x.hit_rate)}" for x in rust) or "none ran"
-        lines.append(
-            f"- {n} replicas: hit rate {pct(r.hit_rate)} = {pct(r.oracle_ratio)} of oracle "
-            f"(target >= {pct(TARGET_ORACLE_RATIO, 0)}: {'met' if ok_ratio else 'MISSED'}); "
-            f"busy imbalance {fmt(r.imbalance_busy)} (target <= {TARGET_IMBALANCE}: "
-            f"{'met' if ok_imb else 'MISSED'}); above the Rust routers ({rust_txt}): "
-            f"{'met' if above and rust else ('MISSED' if rust else 'not measured')}"
+def _cell(results: Sequence[RunResult], workload: str, n: int) -> dict[str, RunResult]:
+    return {
+        r.router: r
+        for r in results
+        if r.workload == workload and r.replicas == n and r.status == "ok"
+    }
+
+
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "**MISSED**"
+
+
+def _targets(results: Sequence[RunResult]) -> tuple[list[list[str]], list[str]]:
+    """Per (workload, fleet size): the default proxy against the best of the others, and
+    closing notes for every missed target."""
+    rows: list[list[str]] = []
+    notes: list[str] = []
+    cells = sorted({(r.workload, r.replicas) for r in results}, key=lambda c: (c[0], c[1]))
+    for workload, n in cells:
+        cell = _cell(results, workload, n)
+        ours = cell.get("proxy")
+        others = [cell[name] for name in COMPARED if name in cell]
+        if ours is None or not others:
+            continue
+        best_tput = max(others, key=lambda r: r.throughput_tok_s)
+        best_p99 = min(others, key=lambda r: r.p99_s)
+        tput_ratio = ours.throughput_tok_s / best_tput.throughput_tok_s
+        p99_ratio = ours.p99_s / best_p99.p99_s
+        ll = cell.get("proxy-ll")
+        ll_ratio = ours.throughput_tok_s / ll.throughput_tok_s if ll else math.nan
+        checks = [tput_ratio >= 1.0, p99_ratio <= TARGET_P99_RATIO]
+        checks.append(ours.imbalance_busy <= TARGET_IMBALANCE)
+        agentic = workload == "agentic"
+        if agentic:
+            checks.append(ll_ratio >= TARGET_AGENTIC_VS_LL)
+        rows.append(
+            [
+                workload,
+                str(n),
+                fmt(ours.throughput_tok_s, 0),
+                f"{best_tput.router} {fmt(best_tput.throughput_tok_s, 0)}",
+                fmt(tput_ratio, 3),
+                f"{fmt(ours.p99_s, 1)} / {best_p99.router} {fmt(best_p99.p99_s, 1)}",
+                fmt(p99_ratio, 3),
+                fmt(ll_ratio, 3) + (f" (target {TARGET_AGENTIC_VS_LL})" if agentic else ""),
+                fmt(ours.imbalance_busy),
+                pct(ours.ceiling_share),
+                "all met" if all(checks) else "**missed**",
+            ]
         )
-    return lines
+        where = f"{workload} x{n}"
+        if tput_ratio < 1.0:
+            notes.append(
+                f"{where}: throughput {fmt(ours.throughput_tok_s, 0)} tok/s is "
+                f"{pct(1 - tput_ratio)} below {best_tput.router}'s "
+                f"{fmt(best_tput.throughput_tok_s, 0)} (ceiling {fmt(ours.ceiling_tok_s, 0)}; "
+                f"proxy {pct(ours.ceiling_share)} of it, {best_tput.router} "
+                f"{pct(best_tput.ceiling_share)})."
+            )
+        if p99_ratio > TARGET_P99_RATIO:
+            notes.append(
+                f"{where}: p99 {fmt(ours.p99_s, 2)} s is {fmt(p99_ratio, 3)}x {best_p99.router}'s "
+                f"{fmt(best_p99.p99_s, 2)} s (replica-side p99 {fmt(ours.server_p99_s, 2)} s vs "
+                f"{fmt(best_p99.server_p99_s, 2)} s; added real latency p99 "
+                f"{fmt(ours.added_p99_ms, 1)} ms vs {fmt(best_p99.added_p99_ms, 1)} ms)."
+            )
+        if ours.imbalance_busy > TARGET_IMBALANCE:
+            notes.append(f"{where}: busy imbalance {fmt(ours.imbalance_busy)} > 1.10.")
+        if agentic and not ll_ratio >= TARGET_AGENTIC_VS_LL:
+            notes.append(
+                f"{where}: {fmt(ll_ratio, 3)}x least_loaded's throughput against a "
+                f"{TARGET_AGENTIC_VS_LL}x target; the ceiling (perfect affinity and balance) is "
+                + (
+                    f"{fmt(ours.ceiling_tok_s / ll.throughput_tok_s, 3)}x least_loaded's, and the "
+                    f"proxy reaches {pct(ours.ceiling_share)} of it."
+                    if ll
+                    else "unknown (least_loaded did not run)."
+                )
+            )
+    return rows, notes
+
+
+def _contention_lines(results: Sequence[RunResult]) -> list[str]:
+    """How much of the spread between routers in a cell the real added latency explains: per
+    workload, the correlation over runs of (added p50 - cell mean) with (throughput / cell
+    mean)."""
+    lines: list[str] = []
+    for workload in dict.fromkeys(r.workload for r in results):
+        xs: list[float] = []
+        ys: list[float] = []
+        for n in sorted({r.replicas for r in results if r.workload == workload}):
+            cell = list(_cell(results, workload, n).values())
+            if len(cell) < 2:
+                continue
+            mean_added = statistics.fmean(r.added_p50_ms for r in cell)
+            mean_tput = statistics.fmean(r.throughput_tok_s for r in cell)
+            xs += [r.added_p50_ms - mean_added for r in cell]
+            ys += [r.throughput_tok_s / mean_tput for r in cell]
+        if len(xs) >= 3 and len(set(xs)) > 1 and len(set(ys)) > 1:
+            r = statistics.correlation(xs, ys)
+            lines.append(
+                f"- `{workload}`: r = {r:.2f} over {len(xs)} runs between a run's added real "
+                "latency per request (p50, minus its cell's mean) and its throughput (over its "
+                "cell's mean).\n"
+            )
+    if not lines:
+        return []
+    return [
+        "\nHow much of the spread between routers within a cell is real time (router hop, CPU "
+        "contention on the shared machine) rather than routing, magnified by 1/time_scale:\n\n",
+        *lines,
+    ]
+
+
+def _sim_seconds(real_s: float, sim: SimConfig) -> str:
+    return fmt(real_s / sim.time_scale, 2)
+
+
+def _result_rows(results: Sequence[RunResult], sim: SimConfig) -> list[list[str]]:
+    rows = []
+    for r in results:
+        if r.status == "skipped":
+            rows.append([r.router, "skipped: " + r.reason] + ["-"] * (len(RESULT_HEADERS) - 2))
+            continue
+        rows.append(
+            [
+                r.router,
+                fmt(r.throughput_tok_s, 0),
+                pct(r.ceiling_share),
+                f"{fmt(r.p50_s, 1)} / {fmt(r.p99_s, 1)}",
+                f"{fmt(r.server_p50_s, 1)} / {fmt(r.server_p99_s, 1)}",
+                f"{fmt(r.added_p50_ms, 1)} / {fmt(r.added_p99_ms, 1)} "
+                f"({_sim_seconds(r.added_p50_ms / 1e3, sim)} / "
+                f"{_sim_seconds(r.added_p99_ms / 1e3, sim)})",
+                f"{r.syncs}: {fmt(r.sync_mean_real_s * 1e3, 0)} / "
+                f"{fmt(r.sync_max_real_s * 1e3, 0)} ({_sim_seconds(r.sync_mean_real_s, sim)} / "
+                f"{_sim_seconds(r.sync_max_real_s, sim)})",
+                fmt(r.paused_sim_s, 2),
+                r.control,
+                fmt(r.imbalance_busy),
+                f"{pct(r.hit_rate)} ({pct(r.oracle_ratio)})",
+                f"{r.errors}/{r.requests}",
+            ]
+        )
+    return rows
+
+
+RESULT_HEADERS = [
+    "router",
+    "throughput (tok/s)",
+    "of ceiling",
+    "p50 / p99 (s)",
+    "replica p50 / p99 (s)",
+    "added per request p50 / p99: real ms (sim s)",
+    "syncs: mean / max real ms (sim s)",
+    "paused per replica (sim s)",
+    "control calls",
+    "busy imbalance",
+    "hit rate (of oracle)",
+    "errors",
+]
 
 
 def write_report(
     results: Sequence[RunResult],
-    wcfg: WorkloadConfig,
-    sim: SimConfig,
+    workloads: Sequence[Workload],
     out: Path,
     command: str,
     wall_s: float,
+    probe_interval_sim_s: float | None,
+    machine: dict[str, Any] | None = None,
+    measured_at: str | None = None,
 ) -> Path:
     out.mkdir(parents=True, exist_ok=True)
-    plan = build_plan(wcfg)
-    summary = plan_summary(plan)
-    machine = machine_description()
-    md: list[str] = ["# Routing quality: rollout-proxy vs the alternatives\n\n"]
-    md.append(
-        f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} with `{command}` "
-        f"({wall_s:.0f} s wall). Machine: {machine['nproc']} cores ({machine['cpu']}), "
-        f"{machine['memory']}, Python {machine['python']}. Replicas are simulated "
-        "(bench/simulator.py); figures are simulated seconds unless marked real.\n"
+    machine = machine or machine_description()
+    measured_at = measured_at or time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    md: list[str] = ["# Routing: rollout-proxy vs the alternatives\n\n"]
+    probes = (
+        "each router's own default probe period"
+        if probe_interval_sim_s is None
+        else f"every router probing its replicas every {probe_interval_sim_s:g} simulated s"
     )
-    md.append("\n## Results\n\n")
-    headers = [
-        "router",
-        "hit rate",
-        "oracle",
-        "ratio to oracle",
-        "busy imbalance",
-        "load imbalance",
-        "request spread",
-        "throughput (tok/s)",
-        "p50 / p99 (s)",
-        "replica p50 / p99 (s)",
-        "oracle hits lost: first turns / continuations",
-        "groups on 1 replica",
-        "errors",
-        "adapters loaded",
-    ]
-    for n in sorted({r.replicas for r in results}):
-        md.append(f"\n### {n} replicas\n\n")
-        rows = []
-        for r in (x for x in results if x.replicas == n):
-            if r.status == "skipped":
-                rows.append([r.router, "skipped: " + r.reason] + ["-"] * (len(headers) - 2))
-                continue
-            rows.append(
+    md.append(
+        f"Measured {measured_at} with `{command}` "
+        f"({wall_s:.0f} s wall), one run per cell, {probes}. Machine: {machine['nproc']} cores "
+        f"({machine['cpu']}), {machine['memory']}, Python {machine['python']}, shared with other "
+        "jobs. Replicas are simulated (bench/simulator.py); figures are simulated seconds "
+        "unless marked real. `proxy` is rollout-proxy with its default policy "
+        "(`cost`); `proxy-prefix`, `proxy-rr`, `proxy-ll` the same process with "
+        "`PROXY_POLICY=prefix|round_robin|least_loaded`.\n"
+    )
+    target_rows, notes = _targets(results)
+    if target_rows:
+        md.append("\n## Against the targets\n\n")
+        md.append(
+            "Throughput and p99 of `proxy` against the best of vllm-router, sglang-router, "
+            "least_loaded (`proxy-ll`) and round_robin (`proxy-rr`) in the same cell; targets: "
+            f"throughput ratio >= 1, p99 ratio <= {TARGET_P99_RATIO}, busy imbalance <= "
+            f"{TARGET_IMBALANCE}, agentic throughput >= {TARGET_AGENTIC_VS_LL}x least_loaded's. "
+            "**of ceiling**: share of the throughput of a router with perfect affinity and "
+            "perfect balance (Definitions).\n\n"
+        )
+        md.append(
+            table(
                 [
-                    r.router,
-                    pct(r.hit_rate),
-                    pct(r.oracle_rate),
-                    pct(r.oracle_ratio),
-                    fmt(r.imbalance_busy),
-                    fmt(r.imbalance_load),
-                    fmt(r.spread),
-                    fmt(r.throughput_tok_s, 0),
-                    f"{fmt(r.p50_s, 1)} / {fmt(r.p99_s, 1)}",
-                    f"{fmt(r.server_p50_s, 1)} / {fmt(r.server_p99_s, 1)}",
-                    f"{pct(r.lost_first_turn)} / {pct(r.lost_continuation)}",
-                    pct(r.groups_whole, 0),
-                    f"{r.errors}/{r.requests}",
-                    r.control,
-                ]
+                    "workload",
+                    "replicas",
+                    "proxy tok/s",
+                    "best other tok/s",
+                    "ratio",
+                    "proxy p99 / best other p99 (s)",
+                    "p99 ratio",
+                    "/ least_loaded tok/s",
+                    "busy imbalance",
+                    "of ceiling",
+                    "verdict",
+                ],
+                target_rows,
             )
-        md.append(table(headers, rows))
+        )
+        if notes:
+            md.append("\nMissed targets, with the figures:\n\n")
+            md.extend(f"- {line}\n" for line in notes)
+    md.extend(_contention_lines(results))
     md.append("\n![routing](routing.png)\n")
-    md.append("\n## Against the targets\n\n")
-    md.extend(line + "\n" for line in _targets(results) or ["- our proxy did not run\n"])
+    for w in workloads:
+        ran = [r for r in results if r.workload == w.name]
+        if not ran:
+            continue
+        md.append(f"\n## Workload `{w.name}`: {w.description}\n")
+        for n in sorted({r.replicas for r in ran}):
+            sim = w.sim_for(n)
+            kv = ""
+            if w.kv_share is not None:
+                kv = (
+                    f" KV cache {sim.kv_blocks} blocks per replica = "
+                    f"{pct(w.kv_fraction(n), 0)} of the working set across the fleet."
+                )
+            md.append(f"\n### {n} replicas\n\n{kv}\n\n" if kv else f"\n### {n} replicas\n\n")
+            md.append(table(RESULT_HEADERS, _result_rows([r for r in ran if r.replicas == n], sim)))
     md.append("\n## Control calls through each router\n\n")
     seen: dict[str, str] = {}
     for r in results:
@@ -487,8 +758,10 @@ def write_report(
         "\nWhere a router does not broadcast TRL's `/v1/load_lora_adapter` and "
         "`/pause?mode=keep` to every replica, the driver sends the sync sequence to every replica "
         'directly for that router\'s runs ("direct to replicas" above), so all routers serve the '
-        "same adapters and the comparison measures routing alone. A real TRL run behind such a "
-        "router would fail (adapter missing on the other replicas -> 404 on rollouts).\n"
+        "same adapters. The sync columns show what that difference costs: a sync through "
+        "rollout-proxy crosses one more hop and waits for every replica's answer before the "
+        "next call. A real TRL run behind such a router would fail (adapter missing on the other "
+        "replicas -> 404 on rollouts).\n"
     )
     ours = [r for r in results if r.decisions]
     if ours:
@@ -497,7 +770,7 @@ def write_report(
         for r in ours:
             total = sum(r.decisions.values()) or 1.0
             rows.append(
-                [f"{r.router} x{r.replicas}"]
+                [f"{r.workload} {r.router} x{r.replicas}"]
                 + [
                     pct(r.decisions.get(k, 0.0) / total)
                     for k in ("affinity", "spilled", "unmatched")
@@ -509,110 +782,125 @@ def write_report(
     if failures:
         md.append("\n## Failures\n\n")
         for r in failures:
-            md.append(f"- {r.router} x{r.replicas}: {r.reason}\n")
-    md.append("\n## Definitions\n\n")
-    md.append(
-        "- **hit rate**: prefix-cache hit tokens / prompt tokens queried, summed over the "
-        "replicas' counters (what `vllm:prefix_cache_hits_total / "
-        "vllm:prefix_cache_queries_total` report).\n"
-        "- **oracle**: one LRU cache with the whole fleet's capacity (replicas x kv_blocks) that "
-        "sees every successful request of the same run at its send time, hits the longest cached "
-        "chain of full prompt blocks (vLLM's cap: (len-1)//16 blocks), caches the prompt's blocks "
-        "at once and the generated blocks at the reply (as a replica does), and is cleared when "
-        "the client "
-        "sent `/pause` (vLLM resets the prefix cache on pause unless `clear_cache=false`). It "
-        "bounds any router from above (a replica sees each prompt no earlier and holds a share "
-        "of the memory) except for one corner: a request queued at a replica across a pause is "
-        "cached by the replica after the clear but by the oracle before it, worth well under "
-        "1%. **ratio to oracle** = hit rate / oracle.\n"
-        "- **busy imbalance**: max / mean over replicas of simulated time spent prefilling or "
-        "decoding. **load imbalance**: the same over the time integral of the running batch size "
-        "(busy time saturates when every replica always has work; this does not). "
-        "**request spread**: max / mean requests per replica.\n"
-        "- **throughput**: generated tokens / simulated makespan (first adapter load to last "
-        "reply). **p50 / p99**: client-observed request latency in simulated seconds (real / "
-        "time_scale: it includes the router's and client's own real time, magnified likewise, "
-        "and CPU contention on this shared machine). **replica p50 / p99**: arrival at the "
-        "replica to last token, exact in simulated time (queueing, prefill, decode only).\n"
-        "- **oracle hits lost**: per request, oracle hit tokens minus the replica's "
-        "`usage.prompt_tokens_details.cached_tokens`, summed over first turns and over "
-        "multi-turn continuations, as shares of the oracle's hit tokens (they add up to "
-        "1 - ratio to oracle, give or take the reordering of requests that arrive together).\n"
-        "- **groups on 1 replica**: share of GRPO groups whose G first-turn requests all reached "
-        "one replica (read from the replica index each simulated answer carries in its id).\n"
-    )
+            md.append(f"- {r.workload} {r.router} x{r.replicas}: {r.reason}\n")
+    md.append(DEFINITIONS)
     md.append("\n## Setup\n\n")
-    md.append(
-        f"Workload (bench/workload.py): {summary['groups']} prompts x G={wcfg.group_size} = "
-        f"{summary['rollouts']} rollouts, {summary['planned_requests']} planned requests "
-        f"({summary['multi_turn_rollouts']} multi-turn rollouts), {summary['versions']} adapter "
-        f"versions (one per {wcfg.rollouts_per_version} rollouts, max_staleness "
-        f"{wcfg.max_staleness}), {wcfg.max_inflight} rollouts in flight, median prompt "
-        f"{summary['median_prompt_tokens']} tokens with a {wcfg.template_tokens}-token shared "
-        f"template, seed {wcfg.seed}.\n\n"
-    )
-    md.append(
-        f"Replica model (bench/simulator.py): KV cache {sim.kv_blocks} blocks x "
-        f"{sim.block_size} tokens ({sim.kv_cache_gib:.0f} GiB of Qwen2.5-1.5B KV) per replica, "
-        f"{sim.max_num_seqs} batch slots, prefill {sim.prefill_us_per_token} us/token, decode "
-        f"step {sim.decode_step_base_ms} ms + {sim.decode_step_per_seq_ms} ms/sequence, "
-        f"completions lognormal(median {sim.gen_median_tokens:.0f}, sigma {sim.gen_sigma}), "
-        f"time_scale {sim.time_scale}.\n"
-    )
+    for w in workloads:
+        md.append(_setup_line(w))
     (out / "routing.md").write_text("".join(md))
     raw = {
-        "workload": config_dict(wcfg),
-        "simulator": dataclasses.asdict(sim),
+        "workloads": {
+            w.name: {
+                "workload": config_dict(w.workload),
+                "simulator": dataclasses.asdict(w.sim),
+                "kv_share": w.kv_share,
+            }
+            for w in workloads
+        },
+        "probe_interval_sim_s": probe_interval_sim_s,
         "machine": machine,
         "command": command,
+        "measured_at": measured_at,
+        "wall_s": wall_s,
         "results": [dataclasses.asdict(r) for r in results],
     }
     (out / "routing.json").write_text(json.dumps(raw, indent=1, default=str))
-    _plot(results, out / "routing.png")
+    _plot(results, [w.name for w in workloads], out / "routing.png")
     return out / "routing.md"
 
 
-def _plot(results: Sequence[RunResult], path: Path) -> None:
+def _setup_line(w: Workload) -> str:
+    wcfg, sim = w.workload, w.sim
+    summary = plan_summary(build_plan(wcfg))
+    return (
+        f"- `{w.name}` (bench/workload.py): {summary['groups']} prompts x G={wcfg.group_size} = "
+        f"{summary['rollouts']} rollouts, {summary['planned_requests']} planned requests "
+        f"({summary['multi_turn_rollouts']} multi-turn rollouts), {summary['versions']} adapter "
+        f"versions (one per {wcfg.rollouts_per_version} rollouts, max_staleness "
+        f"{wcfg.max_staleness}), {wcfg.max_inflight} rollouts in flight, median first prompt "
+        f"{summary['median_prompt_tokens']} tokens ({wcfg.template_tokens}-token shared "
+        f"template), seed {wcfg.seed}. Replicas: KV cache "
+        + (
+            f"{pct(w.kv_share, 0)} of the working set ({working_set_blocks(wcfg, sim)} blocks)"
+            if w.kv_share is not None
+            else f"{sim.kv_blocks} blocks x {sim.block_size} tokens ({sim.kv_cache_gib:.0f} GiB)"
+        )
+        + f", {sim.max_num_seqs} batch slots, prefill {sim.prefill_us_per_token} us/token, "
+        f"decode step {sim.decode_step_base_ms} ms + {sim.decode_step_per_seq_ms} ms/sequence, "
+        f"completions lognormal(median {sim.gen_median_tokens:.0f}, sigma {sim.gen_sigma}), "
+        f"max_model_len {sim.max_model_len}, time_scale {sim.time_scale}.\n"
+    )
+
+
+DEFINITIONS = """
+## Definitions
+
+- **throughput**: generated tokens / simulated makespan (first adapter load to last reply).
+  **of ceiling**: throughput / the ceiling, the throughput of a router with perfect affinity and
+  perfect balance on the same requests: every replica prefills only what the oracle below
+  could not hit and runs the same batch the whole time (TRL's rollouts in flight shared evenly,
+  bounded by batch slots and by how many average requests its KV cache holds); syncs, ramp-up
+  and drain are left out, so no router reaches it (bench/oracle.py).
+- **p50 / p99**: client-observed request latency in simulated seconds (real / time_scale: it
+  includes the router's and client's own real time, magnified likewise, and CPU contention on
+  this shared machine). **replica p50 / p99**: arrival at the replica to last token, exact in
+  simulated time (queueing, prefill, decode, time frozen by a pause).
+- **added per request**: per request, client-observed real latency minus the replica's real
+  time on it (simulated x time_scale), p50 / p99 over requests, in real milliseconds; in brackets
+  what the simulation makes of it (real / time_scale, simulated seconds). It is the router's
+  hop, its CPU time and any queueing on this shared machine's two cores.
+- **syncs**: TRL's weight syncs (`/pause?mode=keep`, `/v1/load_lora_adapter`, `/resume`), how
+  many, and their mean / max duration as the client saw it (first call sent to the last answer),
+  real milliseconds and (simulated seconds). **paused per replica**: simulated seconds each
+  replica spent frozen by `/pause` until `/resume` (mean over replicas): the simulated load time
+  of the adapter (0.3 s) plus whatever real time the calls took, magnified 1/time_scale times.
+- **hit rate**: prefix-cache hit tokens / prompt tokens queried, summed over the replicas'
+  counters. **of oracle**: hit rate / the oracle's, one LRU cache with the whole fleet's capacity
+  that sees every successful request at its send time, caches prompts at once and completions at
+  the reply, and is cleared by every `/pause` (vLLM resets the prefix cache on pause).
+- **busy imbalance**: max / mean over replicas of simulated time spent prefilling or decoding.
+"""
+
+
+def _plot(results: Sequence[RunResult], workloads: Sequence[str], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     ran = [r for r in results if r.status == "ok"]
+    shown = [w for w in workloads if any(r.workload == w for r in ran)]
     routers = list(dict.fromkeys(r.router for r in ran))
-    sizes = sorted({r.replicas for r in ran})
-    if not routers:
+    if not routers or not shown:
         return
     panels = [
-        ("oracle_ratio", "hit rate / oracle", 100.0, "%"),
-        ("imbalance_busy", "busy imbalance (max/mean)", 1.0, ""),
-        ("throughput_tok_s", "throughput (generated tok/s, simulated)", 1.0, ""),
-        ("server_p99_s", "replica-side p99 latency (simulated s)", 1.0, ""),
+        ("throughput_tok_s", "throughput (tok/s, simulated)"),
+        ("p99_s", "p99 latency (s, simulated)"),
+        ("added_p50_ms", "added per request p50 (real ms)"),
     ]
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    fig, axes = plt.subplots(len(shown), 3, figsize=(18, 3.6 * len(shown)), squeeze=False)
     width = 0.8 / len(routers)
-    for ax, (attr, title, scale, unit) in zip(axes.flat, panels, strict=True):
-        for i, name in enumerate(routers):
-            xs, ys = [], []
-            for j, n in enumerate(sizes):
-                row = next((r for r in ran if r.router == name and r.replicas == n), None)
-                if row is not None:
-                    xs.append(j + (i - (len(routers) - 1) / 2) * width)
-                    ys.append(getattr(row, attr) * scale)
-            ax.bar(xs, ys, width=width, label=name)
-        ax.set_xticks(range(len(sizes)), [f"{n} replicas" for n in sizes])
-        ax.set_title(title + (f" ({unit})" if unit else ""))
-        if attr == "oracle_ratio":
-            ax.axhline(TARGET_ORACLE_RATIO * 100, color="k", linestyle="--", linewidth=0.8)
-            ax.set_ylim(0, 105)
-        if attr == "imbalance_busy":
-            ax.axhline(TARGET_IMBALANCE, color="k", linestyle="--", linewidth=0.8)
-            ax.set_ylim(0.9, None)
-        ax.grid(axis="y", alpha=0.3)
-    handles, labels = axes.flat[0].get_legend_handles_labels()
+    for row, workload in enumerate(shown):
+        sizes = sorted({r.replicas for r in ran if r.workload == workload})
+        for col, (attr, title) in enumerate(panels):
+            ax = axes[row][col]
+            for i, name in enumerate(routers):
+                xs, ys = [], []
+                for j, n in enumerate(sizes):
+                    hit = [
+                        x for x in ran if (x.workload, x.router, x.replicas) == (workload, name, n)
+                    ]
+                    if hit:
+                        xs.append(j + (i - (len(routers) - 1) / 2) * width)
+                        ys.append(getattr(hit[0], attr))
+                ax.bar(xs, ys, width=width, label=name)
+            ax.set_xticks(range(len(sizes)), [f"{n} replicas" for n in sizes])
+            ax.set_title(f"{workload}: {title}")
+            ax.grid(axis="y", alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(routers), fontsize=9)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
-    fig.savefig(path, dpi=110)
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
@@ -622,68 +910,163 @@ def _plot(results: Sequence[RunResult], path: Path) -> None:
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.run_routing", description=__doc__)
     p.add_argument("--smoke", action="store_true", help="tiny workload, 2 replicas, seconds")
-    p.add_argument("--replicas", default=None, help="comma-separated counts (default 2,4,8)")
+    p.add_argument(
+        "--workload", default="grpo", help=f"comma-separated, from {', '.join(WORKLOADS)}"
+    )
+    p.add_argument("--replicas", default=None, help="comma-separated counts (default 2,4,8,16)")
     p.add_argument(
         "--routers", default=",".join(ROUTERS), help=f"comma-separated, from {sorted(ROUTERS)}"
     )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--groups", type=int, default=None, help="prompts (default 128)")
+    p.add_argument("--groups", type=int, default=None, help="prompts (default: the workload's)")
     p.add_argument("--time-scale", type=float, default=None, help="real s per simulated s")
     p.add_argument("--kv-blocks", type=int, default=None, help="KV blocks per replica")
+    p.add_argument(
+        "--probe-interval",
+        default=str(PROBE_INTERVAL_SIM_S),
+        help="every router's health-probe period in simulated s, or 'own' for each router's "
+        f"own default in real s (default {PROBE_INTERVAL_SIM_S:g}, see bench/routers.py)",
+    )
     p.add_argument("--startup-timeout", type=float, default=60.0)
+    p.add_argument(
+        "--report-from",
+        type=Path,
+        default=None,
+        help="rewrite routing.md/.png in --out from this routing.json instead of running",
+    )
+    p.add_argument("--wall-s", type=float, default=None, help="with --report-from: wall time")
+    p.add_argument("--measured-at", default=None, help="with --report-from: when it ran")
     return p.parse_args(argv)
 
 
-def configs(args: argparse.Namespace) -> tuple[WorkloadConfig, SimConfig, list[int]]:
-    if args.smoke:
-        wcfg = WorkloadConfig(
-            seed=args.seed,
-            groups=args.groups or 6,
-            rollouts_per_version=16,
-            max_inflight=16,
-            max_tokens=600,
-        )
-        sim = SimConfig(time_scale=args.time_scale or 0.01, gen_median_tokens=200)
-        sizes = [2]
-    else:
-        wcfg = WorkloadConfig(seed=args.seed, groups=args.groups or 128)
-        sim = SimConfig(time_scale=args.time_scale or SimConfig.time_scale)
-        sizes = [2, 4, 8]
-    if args.kv_blocks is not None:
-        sim = dataclasses.replace(sim, kv_blocks=args.kv_blocks)
+def configs(args: argparse.Namespace) -> tuple[list[Workload], list[int]]:
+    names = [x for x in args.workload.split(",") if x]
+    unknown = [x for x in names if x not in WORKLOADS]
+    if unknown or not names:
+        raise ValueError(f"unknown workload(s) {unknown}; known: {', '.join(WORKLOADS)}")
+    chosen: list[Workload] = []
+    for name in names:
+        base = WORKLOADS[name]
+        wcfg, sim = base.workload, base.sim
+        if args.smoke:
+            wcfg = dataclasses.replace(
+                wcfg,
+                groups=args.groups or 6,
+                rollouts_per_version=16,
+                max_inflight=16,
+                max_tokens=min(wcfg.max_tokens, 600),
+            )
+            sim = dataclasses.replace(
+                sim, gen_median_tokens=min(sim.gen_median_tokens, 200.0), time_scale=0.01
+            )
+        elif args.groups:
+            wcfg = dataclasses.replace(wcfg, groups=args.groups)
+        wcfg = dataclasses.replace(wcfg, seed=args.seed)
+        if args.time_scale:
+            sim = dataclasses.replace(sim, time_scale=args.time_scale)
+        kv_share = base.kv_share
+        if args.kv_blocks is not None:
+            sim, kv_share = dataclasses.replace(sim, kv_blocks=args.kv_blocks), None
+        chosen.append(dataclasses.replace(base, workload=wcfg, sim=sim, kv_share=kv_share))
+    sizes = [2] if args.smoke else [2, 4, 8, 16]
     if args.replicas:
         sizes = [int(x) for x in args.replicas.split(",")]
         if any(n < 1 for n in sizes):
             raise ValueError("--replicas counts must be >= 1")
-    return wcfg, sim, sizes
+    return chosen, sizes
+
+
+def probe_interval(args: argparse.Namespace) -> float | None:
+    if args.probe_interval == "own":
+        return None
+    value = float(args.probe_interval)
+    if value <= 0:
+        raise ValueError("--probe-interval must be > 0 (or 'own')")
+    return value
+
+
+def rerender(
+    raw_path: Path, out: Path, wall_s: float | None = None, measured_at: str | None = None
+) -> Path:
+    """Write routing.md/.png/.json again from a run's routing.json (report changes without
+    rerunning the matrix; ceilings are recomputed from the per-request dumps next to it when
+    present). ``wall_s`` and ``measured_at`` fill in JSON written before it stored them."""
+    raw = json.loads(raw_path.read_text())
+    workloads = [
+        Workload(
+            name,
+            WORKLOADS[name].description,
+            WorkloadConfig(**spec["workload"]),
+            SimConfig(**spec["simulator"]),
+            spec["kv_share"],
+        )
+        for name, spec in raw["workloads"].items()
+    ]
+    results = [RunResult(**r) for r in raw["results"]]
+    command = raw["command"]
+    if "--report-from" not in command:
+        command += f"` (report rewritten by `python -m bench.run_routing --report-from {raw_path}`"
+        command += ", ceilings recomputed from the per-request dumps)"
+    by_name = {w.name: w for w in workloads}
+    logs = raw_path.parent / "tmp" / "logs"
+    for r in results:
+        dump = logs / f"requests-{r.workload}-{r.router}-{r.replicas}.jsonl"
+        if r.status == "ok" and dump.exists():
+            _ceiling_from_dump(r, dump, by_name[r.workload])
+    wall = wall_s if wall_s is not None else raw.get("wall_s", math.nan)
+    return write_report(
+        results,
+        workloads,
+        out,
+        command,
+        wall,
+        raw["probe_interval_sim_s"],
+        machine=raw["machine"],
+        measured_at=measured_at or raw.get("measured_at") or "(time not recorded)",
+    )
 
 
 async def amain(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
-    wcfg, sim, sizes = configs(args)
+    if args.report_from is not None:
+        print(f"wrote {rerender(args.report_from, args.out, args.wall_s, args.measured_at)}")
+        return 0
+    workloads, sizes = configs(args)
+    interval = probe_interval(args)
     specs = select([x for x in args.routers.split(",") if x])
     log_dir = args.out / "tmp" / "logs"  # bench/results/tmp/ is git-ignored
     started = time.monotonic()
     results: list[RunResult] = []
-    for n in sizes:
-        for spec in specs:
-            t0 = time.monotonic()
-            try:
-                r = await run_one(spec, n, wcfg, sim, log_dir, args.startup_timeout)
-            except Exception as exc:  # one router failing must not hide the others' numbers
-                r = RunResult(spec.name, n, "failed", reason=f"{type(exc).__name__}: {exc}")
-            results.append(r)
-            print(
-                f"{spec.name:>14} x{n}: {r.status:7} hit {pct(r.hit_rate):>6} "
-                f"oracle-ratio {pct(r.oracle_ratio):>6} busy-imb {fmt(r.imbalance_busy):>5} "
-                f"load-imb {fmt(r.imbalance_load):>5} tok/s {fmt(r.throughput_tok_s, 0):>6} "
-                f"p99 {fmt(r.p99_s, 2):>6} errors {r.errors} ({time.monotonic() - t0:.1f} s)"
-                + (f"  [{r.reason[:160]}]" if r.reason else ""),
-                flush=True,
-            )
+    for workload in workloads:
+        for n in sizes:
+            for spec in specs:
+                t0 = time.monotonic()
+                try:
+                    r = await run_one(spec, n, workload, log_dir, args.startup_timeout, interval)
+                except Exception as exc:  # one router failing must not hide the others' numbers
+                    r = RunResult(
+                        spec.name,
+                        n,
+                        "failed",
+                        workload=workload.name,
+                        reason=f"{type(exc).__name__}: {exc}",
+                    )
+                results.append(r)
+                print(
+                    f"{workload.name:>8} {spec.name:>14} x{n:<2}: {r.status:7} "
+                    f"tok/s {fmt(r.throughput_tok_s, 0):>6} p99 {fmt(r.p99_s, 2):>6} "
+                    f"busy-imb {fmt(r.imbalance_busy):>5} hit/oracle {pct(r.oracle_ratio):>6} "
+                    f"sync {fmt(r.sync_mean_real_s * 1e3, 0):>5} ms "
+                    f"added {fmt(r.added_p50_ms, 1):>5} ms errors {r.errors} "
+                    f"({time.monotonic() - t0:.1f} s)"
+                    + (f"  [{r.reason[:160]}]" if r.reason else ""),
+                    flush=True,
+                )
     command = "python -m bench.run_routing " + " ".join(sys.argv[1:] if argv is None else argv)
-    path = write_report(results, wcfg, sim, args.out, command.strip(), time.monotonic() - started)
+    path = write_report(
+        results, workloads, args.out, command.strip(), time.monotonic() - started, interval
+    )
     print(f"wrote {path}")
     return 0 if any(r.status == "ok" for r in results) else 1
 

@@ -342,6 +342,7 @@ class SimRequest:
     alloc: Allocation | None = None
     finish_reason: str = "length"
     aborted: bool = False
+    number: int = 0  # the replica's request counter, also in the answer's id
 
 
 @dataclass
@@ -360,7 +361,12 @@ class EngineStats:
     prefilled_tokens: int = 0
     max_waiting: int = 0
     resets: int = 0
-    log: list[tuple[float, float, float, float, int, int, int]] = field(default_factory=list)
+    # Time frozen by /pause (any mode) until /resume, and how many pauses: what TRL's weight
+    # syncs cost the replica, whoever forwarded them.
+    paused_s: float = 0.0
+    pauses: int = 0
+    # arrival, admitted, first_token, finished, prompt_len, hit_tokens, gen_len, number
+    log: list[tuple[float, float, float, float, int, int, int, int]] = field(default_factory=list)
 
 
 class Engine:
@@ -435,15 +441,19 @@ class Engine:
             self.running.clear()
         now = self.clock.now()
         self._advance_to(now)
+        if not self._frozen:
+            self.stats.pauses += 1
+            self._frozen_at = now
         self._frozen = True
-        self._frozen_at = now
         self._wake.set()
 
     def resume(self) -> None:
         now = self.clock.now()
         self._advance_to(now)
-        if self._frozen and self._stall_until > self._frozen_at:
-            self._stall_until += now - self._frozen_at  # prefill work was frozen too
+        if self._frozen:
+            self.stats.paused_s += now - self._frozen_at
+            if self._stall_until > self._frozen_at:
+                self._stall_until += now - self._frozen_at  # prefill work was frozen too
         self._admission_paused = False
         self._frozen = False
         self._wake.set()
@@ -518,6 +528,7 @@ class Engine:
                 len(r.prompt),
                 r.hit_tokens,
                 len(r.output),
+                r.number,
             )
         )
         if not r.done.done():
@@ -626,6 +637,16 @@ def _parse_prompt(raw: object) -> list[int]:
     return tokens
 
 
+def _draw_length(rng: random.Random, config: SimConfig) -> int:
+    return max(1, round(rng.lognormvariate(math.log(config.gen_median_tokens), config.gen_sigma)))
+
+
+def completion_length(config: SimConfig, seed: int, max_tokens: int) -> int:
+    """How many tokens a replica generates for a request with this ``seed`` and budget (lets
+    a workload size its working set without serving it)."""
+    return min(_draw_length(random.Random(seed), config), max_tokens)
+
+
 class Replica:
     """State of one simulated vLLM server, independent of the HTTP framework."""
 
@@ -651,10 +672,7 @@ class Replica:
 
     def sample_output(self, seed: int, max_tokens: int) -> tuple[list[int], str]:
         rng = random.Random(seed)
-        length = round(
-            rng.lognormvariate(math.log(self.config.gen_median_tokens), self.config.gen_sigma)
-        )
-        length = max(1, length)
+        length = _draw_length(rng, self.config)
         reason = "stop"
         if length >= max_tokens:
             length, reason = max_tokens, "length"
@@ -696,13 +714,19 @@ class Replica:
         output, reason = self.sample_output(seed, max_tokens)
         hashes = block_hashes(prompt, adapter, self.config.block_size)
         loop = asyncio.get_running_loop()
+        self._ids += 1
         req = SimRequest(
-            prompt, output, adapter, hashes, self.engine.clock.now(), loop.create_future()
+            prompt,
+            output,
+            adapter,
+            hashes,
+            self.engine.clock.now(),
+            loop.create_future(),
+            number=self._ids,
         )
         await self.engine.generate(req)
         if req.aborted:
             output, reason = req.output, "abort"
-        self._ids += 1
         choice: dict[str, Any] = {
             "index": 0,
             "text": "".join(f"<{t}>" for t in output),
@@ -726,7 +750,7 @@ class Replica:
             choice["token_ids"] = output
             choice["prompt_token_ids"] = prompt
         return {
-            "id": f"cmpl-sim{self.index}-{self._ids}",
+            "id": f"cmpl-sim{self.index}-{req.number}",
             "object": "text_completion",
             "created": int(time.time()),
             "model": body.get("model") or self.config.model,
@@ -872,6 +896,8 @@ class Replica:
             "prefilled_tokens": s.prefilled_tokens,
             "max_waiting": s.max_waiting,
             "cache_resets": s.resets,
+            "paused_s": s.paused_s,
+            "pauses": s.pauses,
             "evictions": self.engine.cache.evictions,
             "cached_blocks": self.engine.cache.cached_blocks,
             "adapters": list(self.adapters),

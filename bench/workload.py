@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import math
 import random
 import time
@@ -30,6 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import aiohttp
+
+from bench.simulator import SimConfig, completion_length
 
 PromptFormat = Literal["ids", "text"]
 
@@ -57,11 +60,16 @@ class WorkloadConfig:
     # Share of prompts that are tool tasks (multi-turn). A quarter keeps single-turn GRPO the
     # common case while giving continuations enough weight to show in the hit rate.
     multi_turn_fraction: float = 0.25
-    # A multi-turn rollout makes 1..max_extra_turns tool calls before its final answer.
+    # A multi-turn rollout makes min_extra_turns..max_extra_turns tool calls before its final
+    # answer.
+    min_extra_turns: int = 1
     max_extra_turns: int = 2
-    # Tool outputs (a Python result, a search snippet): median ~60 tokens.
+    # Tool outputs (a Python result, a search snippet): median ~60 tokens, clipped to
+    # [tool_min_tokens, tool_max_tokens] (the upper bound: a quarter of the recipe's context).
     tool_median_tokens: float = 60.0
     tool_sigma: float = 0.6
+    tool_min_tokens: int = 1
+    tool_max_tokens: int = 1024
     # Completion budget of a tool-calling turn, and of a final answer (the recipe's 3,000).
     turn_max_tokens: int = 512
     max_tokens: int = 3000
@@ -95,6 +103,10 @@ class WorkloadConfig:
             raise ValueError("multi_turn_fraction must be within [0, 1]")
         if self.template_tokens < 0 or self.max_extra_turns < 0 or self.max_staleness < 0:
             raise ValueError("template_tokens, max_extra_turns and max_staleness must be >= 0")
+        if not 1 <= self.min_extra_turns <= max(self.max_extra_turns, 1):
+            raise ValueError("need 1 <= min_extra_turns <= max_extra_turns")
+        if not 1 <= self.tool_min_tokens <= self.tool_max_tokens:
+            raise ValueError("need 1 <= tool_min_tokens <= tool_max_tokens")
         if not 1 <= self.problem_min_tokens <= self.problem_max_tokens:
             raise ValueError("need 1 <= problem_min_tokens <= problem_max_tokens")
         if self.template_tokens + self.problem_max_tokens >= self.max_model_len:
@@ -147,14 +159,20 @@ def build_plan(cfg: WorkloadConfig) -> list[RolloutSpec]:
         multi_turn = rng.random() < cfg.multi_turn_fraction
         for m in range(cfg.group_size):
             index = g * cfg.group_size + m
-            extra = rng.randint(1, cfg.max_extra_turns) if multi_turn and cfg.max_extra_turns else 0
+            extra = 0
+            if multi_turn and cfg.max_extra_turns:
+                extra = rng.randint(cfg.min_extra_turns, cfg.max_extra_turns)
             turns = []
             for t in range(extra + 1):
                 final = t == extra
                 tool: tuple[int, ...] = ()
                 if not final:
                     n_tool = _lognormal_int(
-                        rng, cfg.tool_median_tokens, cfg.tool_sigma, 1, cfg.max_model_len // 4
+                        rng,
+                        cfg.tool_median_tokens,
+                        cfg.tool_sigma,
+                        cfg.tool_min_tokens,
+                        cfg.tool_max_tokens,
                     )
                     tool = tuple(rng.randrange(cfg.vocab_size) for _ in range(n_tool))
                 turns.append(
@@ -215,6 +233,9 @@ class RunTrace:
     control: list[ControlEvent] = field(default_factory=list)
     # Send times of calls that cleared the replicas' prefix caches (for the oracle).
     cache_clears: list[float] = field(default_factory=list)
+    # Each weight sync as TRL sees it: (first call sent, last answer received), monotonic
+    # seconds, from /pause to /resume's answer.
+    syncs: list[tuple[float, float]] = field(default_factory=list)
     t_start: float = 0.0
     t_end: float = 0.0
 
@@ -279,9 +300,10 @@ class ControlPlane:
         self, session: aiohttp.ClientSession, name: str, path: str, *, first: bool
     ) -> None:
         """TRL's sync: pause(keep), load, resume. The very first load skips the pause."""
+        started = time.monotonic()
         if not first:
             # vLLM resets the prefix cache on pause unless clear_cache=false; TRL does not pass it.
-            self.trace.cache_clears.append(time.monotonic())
+            self.trace.cache_clears.append(started)
             await self._all(session, "/pause?mode=keep", None, fatal=True)
         try:
             body = {"lora_name": name, "lora_path": path, "load_inplace": False}
@@ -289,6 +311,7 @@ class ControlPlane:
         finally:
             if not first:
                 await self._all(session, "/resume", None, fatal=True)
+                self.trace.syncs.append((started, time.monotonic()))
 
     async def unload(self, session: aiohttp.ClientSession, name: str) -> None:
         # TRL ignores the answer (a missing adapter is fine), so does the driver.
@@ -479,3 +502,120 @@ def plan_summary(plan: Sequence[RolloutSpec]) -> dict[str, Any]:
 
 def config_dict(cfg: WorkloadConfig) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
+
+
+# --------------------------------------------------------------------------------------------
+# Named workloads: a rollout shape and the replicas it runs on.
+
+
+def final_context_tokens(spec: RolloutSpec, cfg: WorkloadConfig, sim: SimConfig) -> int:
+    """The longest context a rollout's requests reach (its last request's prompt + completion),
+    replaying the driver's loop with the simulator's completion lengths (which depend only on
+    each request's seed)."""
+    prompt, held = len(spec.prompt), 0
+    for turn in spec.turns:
+        budget = min(turn.max_tokens, cfg.max_model_len - prompt)
+        if budget < 1:
+            break
+        held = prompt + completion_length(sim, turn.seed, budget)
+        prompt = held + len(turn.tool_tokens)
+    return held
+
+
+@functools.lru_cache(maxsize=32)  # configs are frozen; the report asks again per fleet size
+def working_set_blocks(cfg: WorkloadConfig, sim: SimConfig) -> int:
+    """KV blocks the fleet needs to keep every in-flight rollout's whole context cached:
+    ``max_inflight`` rollouts at the plan's mean final context."""
+    plan = build_plan(cfg)
+    mean = sum(final_context_tokens(s, cfg, sim) for s in plan) / len(plan)
+    return math.ceil(cfg.max_inflight * mean / sim.block_size)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A named benchmark workload: the rollouts, and the replicas serving them."""
+
+    name: str
+    description: str
+    workload: WorkloadConfig
+    sim: SimConfig
+    # When set, each replica's KV cache holds this share of the working set divided by the
+    # fleet size (at least one full context, which a replica must be able to hold).
+    kv_share: float | None = None
+
+    def sim_for(self, replicas: int) -> SimConfig:
+        if self.kv_share is None:
+            return self.sim
+        want = working_set_blocks(self.workload, self.sim) * self.kv_share / replicas
+        floor = -(-self.sim.max_model_len // self.sim.block_size)
+        return dataclasses.replace(self.sim, kv_blocks=max(math.ceil(want), floor))
+
+    def kv_fraction(self, replicas: int) -> float:
+        """Fleet KV capacity / working set, as run."""
+        blocks = self.sim_for(replicas).kv_blocks * replicas
+        return blocks / working_set_blocks(self.workload, self.sim)
+
+
+# Agentic tool use (the issue's shape): a system prompt with tool schemas (~400 tokens) and a
+# task make a 1-4k-token first prompt; 4-10 turns of 100-500 generated tokens, each followed by a
+# 100-1,000-token tool output, so contexts grow to several thousand tokens.
+AGENTIC_WORKLOAD = WorkloadConfig(
+    template_tokens=400,
+    # task: median 1,500 tokens within [600, 3,600] (first prompt 1,000-4,000 with the template)
+    problem_median_tokens=1500.0,
+    problem_sigma=0.5,
+    problem_min_tokens=600,
+    problem_max_tokens=3600,
+    multi_turn_fraction=1.0,
+    min_extra_turns=3,
+    max_extra_turns=9,
+    # tool outputs: median ~316 tokens (the geometric middle of 100 and 1,000), clipped to them
+    tool_median_tokens=316.0,
+    tool_sigma=0.6,
+    tool_min_tokens=100,
+    tool_max_tokens=1000,
+    turn_max_tokens=500,
+    max_tokens=500,
+    # 8k context: room for a first prompt and several turns; a rollout that fills it stops early
+    max_model_len=8192,
+    # The recipe syncs every 512 completions; an agentic rollout makes ~7 requests: 64 rollouts.
+    rollouts_per_version=64,
+    # 12 prompts x 8 = 96 rollouts (~650 requests, one sync): ~15-25 s of real time per run at
+    # time_scale 0.5, so that the 72-run matrix fits in ~35 minutes on the shared machine.
+    groups=12,
+)
+# Turns of 100-500 tokens: lognormal median 250, sigma 0.4 (p5 ~130, p95 ~480), capped at 500 by
+# max_tokens. time_scale 0.5: agentic requests are short and many, and at 0.1 the client,
+# router and simulator saturate this 2-core machine (real delays would dominate simulated ones).
+AGENTIC_SIM = SimConfig(gen_median_tokens=250.0, gen_sigma=0.4, max_model_len=8192, time_scale=0.5)
+
+WORKLOADS: dict[str, Workload] = {
+    w.name: w
+    for w in (
+        Workload(
+            "grpo",
+            "single-turn math prompts (~150 tokens) with ~600-token answers, a quarter of "
+            "them with 1-2 tool turns: decode-bound",
+            # 64 prompts x 8 = 512 rollouts (~750 requests, one sync at 256 rollouts).
+            WorkloadConfig(groups=64),
+            # time_scale 0.2 rather than the simulator's 0.1: on this shared 2-core machine a
+            # request picks up tens to hundreds of real ms of CPU contention, which 0.1 would
+            # magnify 10x into simulated seconds (bench/README.md).
+            SimConfig(time_scale=0.2),
+        ),
+        Workload(
+            "agentic",
+            "multi-turn tool use: 1-4k-token first prompts, 4-10 turns of 100-500 tokens, "
+            "100-1,000-token tool outputs: prefill matters",
+            AGENTIC_WORKLOAD,
+            AGENTIC_SIM,
+        ),
+        Workload(
+            "tight",
+            "the agentic shape on replicas whose KV cache holds ~1/4 of the working set",
+            AGENTIC_WORKLOAD,
+            AGENTIC_SIM,
+            kv_share=0.25,
+        ),
+    )
+}

@@ -83,11 +83,20 @@ class Settings(BaseSettings):
     imbalance: float = Field(
         8,
         ge=0,
-        description="In-flight gap at which affinity yields to load. 8 = one GRPO group "
-        "(8 samples per prompt), the published proxy's value: a replica may take a whole "
-        "extra group for the cache before load wins.",
+        description="prefix policy: in-flight gap at which affinity yields to load. 8 = one "
+        "GRPO group (8 samples per prompt), the published proxy's value: a replica may take a "
+        "whole extra group for the cache before load wins. The cost policy prices the gap "
+        "instead.",
     )
-    policy: str = Field("prefix", description=f"Routing policy: {', '.join(sorted(POLICIES))}.")
+    policy: str = Field(
+        "cost",
+        description="Routing policy: "
+        f"{', '.join(sorted(POLICIES))}. cost: the replica where the request adds the least "
+        "prefill + decode time (proxy/core/policy.py, constants from H100 figures). Default "
+        "because it led prefix and round_robin on throughput in 9 of 12 benchmark cells "
+        "(least_loaded in 6) with the best balance, and won where KV memory is short "
+        "(bench/results/routing.md).",
+    )
     hash_mode: Literal["fast", "exact"] = Field(
         "fast",
         description="fast: xxh3 chains (routing only). exact: vLLM's own block hashes, to "

@@ -3,6 +3,16 @@
 Policies see plain numbers, never requests or HTTP objects, and are chosen by name from
 ``POLICIES``. Ties are broken round robin with a counter the policy owns, so a sequence of
 decisions is deterministic and testable.
+
+``cost`` (the default) estimates, for each eligible replica, the latency that sending the request
+there adds to everyone's requests, and picks the cheapest: the prefill of the prompt tokens that
+replica does not hold (which stalls its running batch too) plus the decode interference of sharing
+its batch. Affinity therefore wins exactly when the prefill it saves outweighs the queue it joins.
+The shape follows Dynamo's KV router (cost = overlap weight * new prefill blocks + active decode
+blocks, per worker, from the router's own bookkeeping) and llm-d's scheduler (filter -> score ->
+pick, its default profile adding a queue-depth scorer at weight 2 to a prefix-cache scorer at
+weight 3). Their weights are unitless knobs; here both terms are seconds, derived from the
+hardware (:class:`CostModel`), so no weight is left to tune.
 """
 
 from __future__ import annotations
@@ -22,6 +32,9 @@ class Candidate:
     replica: int
     load: float  # in-flight requests through this proxy (+ the replica's own queue if known)
     matched: int  # blocks of this request's *specific* prefix the replica was already sent
+    # Prompt tokens this replica would have to prefill: the prompt minus the common preamble
+    # (every replica holds it) minus its specific match. Set by the router for prefix policies.
+    new_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +120,73 @@ class LeastLoaded(_RoundRobinTies):
         return Decision(self._least_loaded(candidates).replica, "unmatched", 0)
 
 
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """Seconds of serving time, for the recipe's model (Qwen2.5-Math-1.5B, bf16) on one H100.
+
+    The constants are derived from published hardware and model figures, never fitted to a
+    benchmark (bench/simulator.py models the replicas with the same derivation; what the routing
+    benchmark tests is the decision rule given these costs):
+
+    - ``prefill_s_per_token`` 10 us: a forward pass costs 2 * 1.54e9 parameters = 3.1 GFLOP per
+      token; the H100 SXM datasheet gives 989 TFLOPS dense bf16, and vLLM reaches ~30-35% MFU on
+      prompts of a few hundred tokens: 3.1e9 / (0.32 * 989e12) = 9.8 us.
+    - ``decode_s_per_seq_step`` 0.05 ms: each sequence in the batch adds its KV reads to every
+      decode step (~1k tokens * 28 KiB/token = 28 MB at the datasheet's 3.35 TB/s = 8.4 us) plus
+      its share of sampling over the 151,936-token vocabulary; ~50 us in all. A rough check
+      against the published recipe: 500 steps x 128 = 64,000 completions in 53 min on two
+      H100s, at ~770 tokens each (mean of a lognormal with median 600, sigma 0.7, an assumption)
+      is ~7.7k generated tokens/s per replica, what a 4 ms + 0.05 ms/sequence step gives at a
+      batch of ~50.
+    - ``expected_output_tokens`` 600: the median completion of Qwen2.5-Math-1.5B on MATH (the
+      recipe's task); the proxy does not see how long a request will decode.
+    """
+
+    prefill_s_per_token: float = 10e-6
+    decode_s_per_seq_step: float = 0.05e-3
+    expected_output_tokens: float = 600.0
+
+    def cost(self, candidate: Candidate) -> float:
+        """Latency added to all requests by sending this one to ``candidate``'s replica.
+
+        Prefill: the request waits for its own new tokens, and each of the ``load`` requests
+        already there stalls for as long (a prefill step holds the batch). Decode: each step of
+        this request reads the other ``load`` sequences' KV, and each of theirs reads this one's,
+        for about ``expected_output_tokens`` steps: 2 * load * tokens * per-sequence step cost.
+        """
+        load = max(candidate.load, 0.0)
+        prefill = max(candidate.new_tokens, 0) * self.prefill_s_per_token * (1.0 + load)
+        decode = 2.0 * load * self.expected_output_tokens * self.decode_s_per_seq_step
+        return prefill + decode
+
+
+class CostBased(_RoundRobinTies):
+    """The replica where the request adds the least latency (:class:`CostModel`)."""
+
+    name = "cost"
+    uses_prefix = True
+
+    def __init__(self, model: CostModel | None = None) -> None:
+        super().__init__()
+        self.model = model or CostModel()
+
+    def choose(self, candidates: Sequence[Candidate]) -> Decision:
+        if not candidates:
+            raise ValueError("no candidates")
+        costs = [self.model.cost(c) for c in candidates]
+        low = min(costs)
+        # Costs are sums of products of small integers and constants: equal inputs give
+        # bit-identical floats, so exact comparison finds the real ties.
+        pick = self._pick([c for c, cost in zip(candidates, costs, strict=True) if cost == low])
+        best_match = max(c.matched for c in candidates)
+        if best_match == 0:
+            return Decision(pick.replica, "unmatched", 0)
+        outcome: Outcome = "affinity" if pick.matched == best_match else "spilled"
+        return Decision(pick.replica, outcome, pick.matched)
+
+
 POLICIES: dict[str, Callable[[float], Policy]] = {
+    "cost": lambda _imbalance: CostBased(),
     "prefix": PrefixAffinity,
     "round_robin": lambda _imbalance: RoundRobin(),
     "least_loaded": lambda _imbalance: LeastLoaded(),

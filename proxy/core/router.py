@@ -58,6 +58,10 @@ class Router:
 
     def specific_matches(self, blocks: Sequence[int], replicas: Sequence[int]) -> dict[int, int]:
         """For each replica, how many blocks beyond the common preamble it was already sent."""
+        return self.matches(blocks, replicas)[0]
+
+    def matches(self, blocks: Sequence[int], replicas: Sequence[int]) -> tuple[dict[int, int], int]:
+        """(specific matches per replica, depth of the common preamble in blocks)."""
         values = self.index.lookup(blocks)
         eligible = 0
         for r in replicas:
@@ -81,7 +85,7 @@ class Router:
             low = alive & -alive
             reach[low.bit_length() - 1] = depth
             alive ^= low
-        return {r: max(0, d - common) for r, d in reach.items()}
+        return {r: max(0, d - common) for r, d in reach.items()}, common
 
     def route(
         self,
@@ -98,8 +102,14 @@ class Router:
         blocks = self.block_keys(key, lora_path)
         # vLLM always recomputes the last prompt token, so at most (len-1)//bs blocks can hit.
         matchable = blocks[: max(0, (key.length - 1) // self.block_size)]
-        matches = self.specific_matches(matchable, [r for r, _ in loads])
-        decision = self.policy.choose([Candidate(r, load, matches[r]) for r, load in loads])
+        matches, common = self.matches(matchable, [r for r, _ in loads])
+        bs = self.block_size
+        decision = self.policy.choose(
+            [
+                Candidate(r, load, matches[r], key.length - (common + matches[r]) * bs)
+                for r, load in loads
+            ]
+        )
         self.index.record(blocks, decision.replica)
         return Decision(decision.replica, decision.outcome, decision.matched_blocks, tuple(blocks))
 

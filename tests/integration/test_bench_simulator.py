@@ -140,6 +140,9 @@ async def test_pause_keep_freezes_and_clears_the_cache() -> None:
         await asyncio.sleep(0.2)  # far longer than the request needs unpaused
         assert not pending.done()
         assert (await client.post("/resume")).json() == {"status": "resumed"}
+        # The frozen time is counted (simulated seconds: 0.2 s real / 0.005 = 40 s, at least).
+        frozen = (await client.get("/sim/stats", params={"log": "0"})).json()
+        assert frozen["pauses"] == 1 and frozen["paused_s"] >= 40.0
         done = await asyncio.wait_for(pending, 10)
         assert done.status_code == 200
         # The pause reset the prefix cache (vLLM's default clear_cache=true).
@@ -194,7 +197,8 @@ async def test_decode_time_follows_the_model() -> None:
         resp = await client.post("/v1/completions", json=body(list(range(100)), seed=11))
         n_out = len(resp.json()["choices"][0]["token_ids"])
         stats = (await client.get("/sim/stats")).json()
-        _arrival, admitted, first_token, finished, prompt_len, hits, gen = stats["log"][0]
+        _arrival, admitted, first_token, finished, prompt_len, hits, gen, number = stats["log"][0]
+        assert resp.json()["id"].endswith(f"-{number}")
         assert (prompt_len, hits, gen) == (100, 0, n_out)
         # Prefill: 100 uncached tokens at 1 ms each; decode: one step per token at batch 1.
         assert first_token - admitted == pytest.approx(0.1, abs=1e-6)

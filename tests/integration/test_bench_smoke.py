@@ -57,6 +57,17 @@ def _check_routing(out: Path, routers: list[str]) -> None:
             r["server_p50_s"],
             r["server_p99_s"],
         ), r
+        assert _finite(
+            r["sync_mean_real_s"],
+            r["paused_sim_s"],
+            r["added_p50_ms"],
+            r["added_p99_ms"],
+            r["ceiling_tok_s"],
+        ), r
+        # The smoke plan publishes three adapter versions: two syncs, each freezing replicas.
+        assert r["syncs"] == 2 and r["paused_sim_s"] > 0
+        assert r["sync_max_real_s"] >= r["sync_mean_real_s"] > 0
+        assert 0 < r["throughput_tok_s"] <= r["ceiling_tok_s"]
         assert 0 < r["hit_rate"] <= 1 and 0 < r["oracle_rate"] <= 1
         assert r["imbalance_busy"] >= 1 and r["p99_s"] >= r["p50_s"] > 0
         assert sum(p["requests"] for p in r["per_replica"]) >= r["requests"]
@@ -65,7 +76,7 @@ def _check_routing(out: Path, routers: list[str]) -> None:
 
 
 def test_routing_smoke_with_our_proxy(tmp_path: Path) -> None:
-    routers = ["proxy", "proxy-rr", "proxy-ll"]
+    routers = ["proxy", "proxy-prefix", "proxy-rr", "proxy-ll"]
     _run("bench.run_routing", "--smoke", "--routers", ",".join(routers), "--out", str(tmp_path))
     _check_routing(tmp_path, routers)
     data = json.loads((tmp_path / "routing.json").read_text())
@@ -73,6 +84,16 @@ def test_routing_smoke_with_our_proxy(tmp_path: Path) -> None:
     # The proxy broadcasts TRL's control calls, so the driver sent them through it.
     assert ours["control"] == "through router"
     assert sum(ours["decisions"].values()) >= ours["requests"]
+    # The report can be written again from the JSON alone: the same tables and figures, only
+    # the header says it was rewritten.
+    again = tmp_path / "again"
+    _run("bench.run_routing", "--report-from", str(tmp_path / "routing.json"), "--out", str(again))
+
+    def body(path: Path) -> list[str]:
+        return [x for x in path.read_text().splitlines() if not x.startswith("Measured ")]
+
+    assert body(again / "routing.md") == body(tmp_path / "routing.md")
+    assert "report rewritten" in (again / "routing.md").read_text()
 
 
 @pytest.mark.parametrize("router", RUST_ROUTERS)

@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
-from bench.oracle import oracle_hits
+from bench.oracle import oracle_hits, throughput_ceiling
 from bench.profile_proxy import buckets, parse_raw
 from bench.report import percentile, table
-from bench.workload import RequestRecord, WorkloadConfig, build_plan, completion_body, plan_summary
+from bench.simulator import SimConfig, completion_length
+from bench.workload import (
+    WORKLOADS,
+    RequestRecord,
+    WorkloadConfig,
+    build_plan,
+    completion_body,
+    final_context_tokens,
+    plan_summary,
+    working_set_blocks,
+)
 
 
 def test_plan_is_deterministic_in_the_seed() -> None:
@@ -102,6 +113,67 @@ def test_summary_counts() -> None:
     assert summary["planned_requests"] >= 48
 
 
+# -- named workloads ---------------------------------------------------------------------------
+
+
+def test_agentic_shape_is_the_issues() -> None:
+    w = WORKLOADS["agentic"]
+    plan = build_plan(w.workload)
+    firsts = [len(s.prompt) for s in plan]
+    assert min(firsts) >= 1000 and max(firsts) <= 4000
+    assert all(4 <= len(s.turns) <= 10 for s in plan)
+    tools = [len(t.tool_tokens) for s in plan for t in s.turns[:-1]]
+    assert min(tools) >= 100 and max(tools) <= 1000
+    assert not any(s.turns[-1].tool_tokens for s in plan)
+    assert all(t.max_tokens == 500 for s in plan for t in s.turns)
+    # Turns of 100-500 generated tokens (the simulator's draw, capped by max_tokens).
+    lengths = [completion_length(w.sim, t.seed, t.max_tokens) for s in plan for t in s.turns]
+    assert max(lengths) == 500
+    assert sum(100 <= n <= 500 for n in lengths) / len(lengths) >= 0.9
+    # Contexts grow to several thousand tokens.
+    finals = sorted(final_context_tokens(s, w.workload, w.sim) for s in plan)
+    assert finals[len(finals) // 2] > 4000
+    assert max(finals) <= w.workload.max_model_len
+
+
+def test_final_context_replays_the_drivers_loop() -> None:
+    w = WORKLOADS["agentic"]
+    spec = build_plan(w.workload)[0]
+    prompt = len(spec.prompt)
+    for turn in spec.turns:
+        expected = prompt + completion_length(w.sim, turn.seed, turn.max_tokens)
+        prompt = expected + len(turn.tool_tokens)
+    assert final_context_tokens(spec, w.workload, w.sim) == expected
+    # A rollout that fills the context stops where the driver stops it.
+    short = dataclasses.replace(
+        w.workload,
+        max_model_len=len(spec.prompt) + 10,
+        problem_max_tokens=len(spec.prompt) - w.workload.template_tokens,
+    )
+    assert final_context_tokens(spec, short, w.sim) == len(spec.prompt) + 10
+
+
+def test_tight_holds_a_quarter_of_the_working_set_when_it_can() -> None:
+    tight, agentic = WORKLOADS["tight"], WORKLOADS["agentic"]
+    assert tight.workload == agentic.workload
+    ws = working_set_blocks(tight.workload, tight.sim)
+    floor = tight.sim.max_model_len // tight.sim.block_size
+    for n in (2, 4, 8, 16):
+        blocks = tight.sim_for(n).kv_blocks
+        assert blocks == max(math.ceil(ws * 0.25 / n), floor)
+        assert tight.kv_fraction(n) == pytest.approx(blocks * n / ws)
+    assert tight.kv_fraction(2) == pytest.approx(0.25, rel=0.01)
+    # Without a share, the replicas keep their configured cache.
+    assert agentic.sim_for(8) == agentic.sim
+
+
+def test_every_workload_is_a_valid_config() -> None:
+    assert set(WORKLOADS) == {"grpo", "agentic", "tight"}
+    for w in WORKLOADS.values():
+        assert w.workload.max_model_len <= w.sim.max_model_len
+        assert plan_summary(build_plan(w.workload))["versions"] >= 2  # a weight sync per run
+
+
 # -- oracle ----------------------------------------------------------------------------------
 
 
@@ -147,6 +219,22 @@ def test_oracle_ignores_failed_requests() -> None:
         [bad, _rec(1.0, list(range(48)), [])], [], capacity_blocks=9, block_size=16
     )
     assert result.per_request == (0,)
+
+
+def test_throughput_ceiling_is_balanced_decode_plus_oracle_prefill() -> None:
+    sim = SimConfig(prefill_us_per_token=1000.0, decode_step_base_ms=10.0, decode_step_per_seq_ms=1)
+    # 4 in flight on 2 replicas: batch 2, a step of 12 ms -> 2/0.012 tok/s per replica.
+    # Prefill: 200 - 96 oracle hits = 104 tokens at 1 ms, split over the 2 replicas.
+    seconds = (104 * 1e-3 + 100 / (2 / 0.012)) / 2
+    got = throughput_ceiling([100, 100], [50, 50], [0, 96], replicas=2, concurrency=4, sim=sim)
+    assert got == pytest.approx(100 / seconds)
+    # The batch never exceeds the slots; more replicas than requests run fractional batches.
+    slots = dataclasses.replace(sim, max_num_seqs=1)
+    one = throughput_ceiling([100, 100], [50, 50], [0, 96], replicas=2, concurrency=4, sim=slots)
+    assert one == pytest.approx(100 / ((104 * 1e-3 + 100 / (1 / 0.011)) / 2))
+    assert math.isnan(throughput_ceiling([1], [0], [0], replicas=2, concurrency=4, sim=sim))
+    with pytest.raises(ValueError):
+        throughput_ceiling([100], [50, 50], [0], replicas=2, concurrency=4, sim=sim)
 
 
 # -- report helpers ----------------------------------------------------------------------------

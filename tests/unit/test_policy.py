@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from proxy.core.policy import Candidate, LeastLoaded, PrefixAffinity, RoundRobin, make_policy
+from proxy.core.policy import (
+    POLICIES,
+    Candidate,
+    CostBased,
+    CostModel,
+    LeastLoaded,
+    PrefixAffinity,
+    RoundRobin,
+    make_policy,
+)
 
 
 @pytest.mark.parametrize(
@@ -59,3 +68,79 @@ def test_registry_and_errors() -> None:
         PrefixAffinity(8).choose([])
     with pytest.raises(ValueError):
         PrefixAffinity(-1)
+
+
+# The cost model's unit prices: one load unit costs 2 * 600 * 0.05 ms = 60 ms of decode
+# interference; one new prompt token costs 10 us times (1 + load).
+LOAD_UNIT_S = 2 * 600 * 0.05e-3
+
+
+@pytest.mark.parametrize(
+    ("candidate", "expected_s"),
+    [
+        # idle replica: only its own prefill
+        (Candidate(0, 0, 0, 1000), 1000 * 10e-6),
+        # a busy replica: the prefill stalls the 3 running requests too, plus decode interference
+        (Candidate(0, 3, 0, 1000), 1000 * 10e-6 * 4 + 3 * LOAD_UNIT_S),
+        # everything cached: decode interference alone
+        (Candidate(0, 5, 40, 0), 5 * LOAD_UNIT_S),
+        # a fractional load (the scraped queue) counts as such; negative inputs count as zero
+        (Candidate(0, 0.5, 0, 0), 0.5 * LOAD_UNIT_S),
+        (Candidate(0, -1, 0, -5), 0.0),
+    ],
+)
+def test_cost_model_prices(candidate: Candidate, expected_s: float) -> None:
+    assert CostModel().cost(candidate) == pytest.approx(expected_s)
+
+
+# (replica, load, matched blocks, new tokens) per candidate -> expected pick and outcome.
+@pytest.mark.parametrize(
+    ("candidates", "replica", "outcome"),
+    [
+        # GRPO: a 110-token specific prefix saves ~1 ms per stalled request, far less than one
+        # more request's decode interference (60 ms): balance wins.
+        ([(0, 1, 7, 38), (1, 0, 0, 150)], 1, "spilled"),
+        # ... but between equally loaded replicas the match decides.
+        ([(0, 2, 7, 38), (1, 2, 0, 150)], 0, "affinity"),
+        # Agentic late turn, 5,600 of 6,000 tokens cached on replica 0, 8 requests running on
+        # replica 1: re-prefilling there costs 6,000 * 10 us * 9 = 540 ms; four more requests
+        # on replica 0 cost 4 * 64 ms: affinity (0.772 s against 1.02 s).
+        ([(0, 12, 350, 400), (1, 8, 0, 6000)], 0, "affinity"),
+        # ... nine more (1.092 s against 1.02 s) no longer pay.
+        ([(0, 17, 350, 400), (1, 8, 0, 6000)], 1, "spilled"),
+        # With nothing running on replica 1, even one more request on replica 0 costs more
+        # than prefilling the whole context on an idle replica (68 ms against 60 ms).
+        ([(0, 1, 350, 400), (1, 0, 0, 6000)], 1, "spilled"),
+        # no match anywhere: the least loaded
+        ([(0, 3, 0, 500), (1, 1, 0, 500), (2, 2, 0, 500)], 1, "unmatched"),
+        # the deeper of two matches, when loads are equal
+        ([(0, 1, 3, 600), (1, 1, 9, 504)], 1, "affinity"),
+        # a shallower match on an idle replica beats the deepest match on a busy one
+        ([(0, 0, 3, 600), (1, 3, 9, 504), (2, 0, 0, 648)], 0, "spilled"),
+    ],
+)
+def test_cost_based_decisions(
+    candidates: list[tuple[int, float, int, int]], replica: int, outcome: str
+) -> None:
+    decision = CostBased().choose([Candidate(*c) for c in candidates])
+    assert (decision.replica, decision.outcome) == (replica, outcome)
+    assert decision.matched_blocks == candidates[replica][2]
+
+
+def test_cost_ties_rotate_and_the_model_is_replaceable() -> None:
+    policy = CostBased()
+    picks = [policy.choose([Candidate(i, 1, 0, 100) for i in range(3)]).replica for _ in range(6)]
+    assert sorted(picks) == [0, 0, 1, 1, 2, 2]
+    # With decode free, only prefill (and the stalls it causes) counts: one new token on a
+    # replica with 50 requests (51 us) beats 100 on an idle one (1 ms).
+    free_decode = CostBased(CostModel(decode_s_per_seq_step=0.0))
+    assert free_decode.choose([Candidate(0, 50, 5, 1), Candidate(1, 0, 0, 100)]).replica == 0
+    assert CostBased().choose([Candidate(0, 50, 5, 1), Candidate(1, 0, 0, 100)]).replica == 1
+
+
+def test_cost_is_the_default_policy() -> None:
+    from proxy.settings import Settings
+
+    assert Settings(replicas=["http://127.0.0.1:1"]).policy == "cost"
+    assert make_policy("cost", 8).name == "cost"
+    assert set(POLICIES) >= {"cost", "prefix", "round_robin", "least_loaded"}

@@ -6,7 +6,7 @@ import random
 
 from proxy.core.extract import RoutingKey
 from proxy.core.hashing import FastHasher
-from proxy.core.policy import PrefixAffinity
+from proxy.core.policy import CostBased, PrefixAffinity
 from proxy.core.prefix_index import PrefixIndex
 from proxy.core.router import Router
 
@@ -175,3 +175,23 @@ def test_a_rollout_finishing_after_a_cache_clearing_pause_is_remembered() -> Non
     router.record_completion(key(p), frozen, [rng.randrange(50_000) for _ in range(64)])
     again = router.route(key(p), fleet.loads())
     assert again.replica == frozen.replica and again.matched_blocks > 0
+
+
+def test_cost_policy_keeps_a_long_context_only_while_it_pays() -> None:
+    router = Router(FastHasher(16), PrefixIndex(100_000), CostBased())
+    rng = random.Random(9)
+    context = prompt(rng, 4000)
+    first = router.route(key(context), [(0, 0.0), (1, 0.0)]).replica
+    other = 1 - first
+    turn = context + [rng.randrange(50_000) for _ in range(100)]
+
+    def loads(holder: float, rest: float) -> list[tuple[int, float]]:
+        return sorted([(first, holder), (other, rest)])
+
+    # Equal queues: re-prefilling 4,000 tokens elsewhere would stall 5 requests; stay.
+    stay = router.route(key(turn), loads(4, 4))
+    assert (stay.replica, stay.outcome) == (first, "affinity")
+    assert stay.matched_blocks == len(context) // 16  # every full block of the first request
+    # Four requests more on the holder cost more decode time than the prefill saves: move.
+    moved = router.route(key(turn + [7] * 16), loads(8, 4))
+    assert (moved.replica, moved.outcome) == (other, "spilled")

@@ -1,0 +1,112 @@
+"""The routing runner's pure parts: workload selection, per-request overhead, the target table."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from bench.routers import ROUTERS, rust_router_argv
+from bench.run_routing import (
+    RunResult,
+    _added_latency_ms,
+    _parse_args,
+    _targets,
+    configs,
+    probe_interval,
+)
+from bench.simulator import SimConfig
+from bench.workload import RequestRecord, RunTrace
+
+
+def test_workloads_and_fleet_sizes_are_selectable() -> None:
+    workloads, sizes = configs(_parse_args(["--workload", "grpo,agentic,tight"]))
+    assert [w.name for w in workloads] == ["grpo", "agentic", "tight"]
+    assert sizes == [2, 4, 8, 16]
+    workloads, sizes = configs(
+        _parse_args(["--workload", "tight", "--replicas", "4", "--groups", "3"])
+    )
+    assert sizes == [4] and workloads[0].workload.groups == 3 and workloads[0].kv_share == 0.25
+    # An explicit cache size replaces the tight share.
+    (w,), _ = configs(_parse_args(["--workload", "tight", "--kv-blocks", "4096"]))
+    assert w.kv_share is None and w.sim_for(8).kv_blocks == 4096
+    (smoke,), sizes = configs(_parse_args(["--smoke"]))
+    assert sizes == [2] and smoke.workload.groups == 6 and smoke.sim.time_scale == 0.01
+    with pytest.raises(ValueError, match="unknown workload"):
+        configs(_parse_args(["--workload", "chat"]))
+
+
+def test_probe_interval_is_simulated_seconds_or_each_routers_own() -> None:
+    assert probe_interval(_parse_args([])) == 60.0
+    assert probe_interval(_parse_args(["--probe-interval", "own"])) is None
+    with pytest.raises(ValueError):
+        probe_interval(_parse_args(["--probe-interval", "0"]))
+    # One period for everyone: the proxy through its setting, the Rust routers by flag.
+    assert ROUTERS["proxy"].environment(6.0) == {"PROXY_HEALTH_INTERVAL_S": "6"}
+    assert ROUTERS["proxy-ll"].environment(None) == {"PROXY_POLICY": "least_loaded"}
+    argv = rust_router_argv("vllm-router", "vr", ["http://a"], 1, 0.3)
+    assert argv[-2:] == ["--health-check-interval-secs", "1"]
+    assert "--health-check-interval-secs" not in rust_router_argv("vllm-router", "vr", [], 1)
+
+
+def _record(rid: str, t_send: float, t_recv: float) -> RequestRecord:
+    return RequestRecord(0, 0, "m", "/p", t_send, t_recv, [1], [2], 200, response_id=rid)
+
+
+def test_added_latency_is_client_time_minus_the_replicas() -> None:
+    sim = SimConfig(time_scale=0.5)
+    trace = RunTrace()
+    trace.records = [
+        _record("cmpl-sim0-1", 10.0, 12.0),  # replica: 3 simulated s = 1.5 real -> 500 ms added
+        _record("cmpl-sim1-1", 10.0, 11.0),  # replica: 1 simulated s = 0.5 real -> 500 ms
+        _record("cmpl-sim1-2", 10.0, 12.5),  # replica: 4 simulated s = 2 real -> 500 ms
+        _record("not-from-the-simulator", 0.0, 1.0),  # skipped
+    ]
+    # log rows: arrival, admitted, first_token, finished, prompt, hits, generated, number
+    stats = [
+        {"replica": 0, "log": [[5.0, 5.0, 5.0, 8.0, 1, 0, 1, 1]]},
+        {"replica": 1, "log": [[1.0, 1.0, 1.0, 2.0, 1, 0, 1, 1], [0.0, 0, 0, 4.0, 1, 0, 1, 2]]},
+    ]
+    assert _added_latency_ms(trace, stats, sim) == pytest.approx([500.0, 500.0, 500.0])
+
+
+def _row(router: str, tok_s: float, p99: float, workload: str = "agentic") -> RunResult:
+    return RunResult(
+        router,
+        8,
+        "ok",
+        workload=workload,
+        throughput_tok_s=tok_s,
+        p99_s=p99,
+        imbalance_busy=1.05,
+        ceiling_tok_s=10_000.0,
+        ceiling_share=tok_s / 10_000.0,
+    )
+
+
+def test_targets_compare_the_default_proxy_with_the_best_of_the_others() -> None:
+    results = [
+        _row("proxy", 6000, 10.0),
+        _row("proxy-prefix", 9000, 1.0),  # not a comparison target
+        _row("proxy-ll", 5500, 9.0),
+        _row("proxy-rr", 5000, 12.0),
+        _row("vllm-router", 5800, 9.8),
+    ]
+    rows, notes = _targets(results)
+    (row,) = rows
+    assert row[:5] == ["agentic", "8", "6000", "vllm-router 5800", "1.034"]
+    assert row[7].startswith("1.091")
+    assert row[6] == "1.111"  # 10.0 / 9.0 > 1.05: missed
+    assert row[-1] == "**missed**"
+    assert any("p99 10.00 s is 1.111x proxy-ll's" in n for n in notes)
+    # 6000 / 5500 = 1.09 < 1.2 on agentic: the note gives the ceiling instead.
+    assert any("1.091x least_loaded's" in n and "60.0% of it" in n for n in notes)
+    assert not any("throughput 6000" in n for n in notes)
+
+
+def test_targets_met_and_cells_without_the_proxy_are_skipped() -> None:
+    results = [_row("proxy", 6000, 9.0, "grpo"), _row("proxy-ll", 5500, 9.0, "grpo")]
+    results.append(_row("proxy-ll", 1, 1, "tight"))
+    rows, notes = _targets(results)
+    assert len(rows) == 1 and rows[0][-1] == "all met" and notes == []
+    assert math.isnan(RunResult("x", 2, "ok").throughput_tok_s)
