@@ -1,6 +1,8 @@
 """The routers compared, and how each is started.
 
 - ``proxy``: rollout-proxy with its default prefix-affine policy.
+- ``proxy-events``: rollout-proxy routing on the replicas' KV-cache events (``PROXY_KV_EVENTS``);
+  the simulator then publishes them (vLLM's wire format, bench/kv_events_publisher.py).
 - ``proxy-rr`` / ``proxy-ll``: the same process with ``PROXY_POLICY=round_robin|least_loaded``,
   the naive baselines (same HTTP path, so only the policy differs).
 - ``vllm-router``: the vLLM project's Rust router (PyPI ``vllm-router``), ``--policy cache_aware``.
@@ -31,6 +33,8 @@ class RouterSpec:
     # ids as a string, which the simulator accepts; see the report.
     prompt_format: PromptFormat = "ids"
     env: Mapping[str, str] = field(default_factory=dict)
+    # Subscribes to the replicas' KV-cache events (the simulator must publish them).
+    kv_events: bool = False
 
     def unavailable(self) -> str | None:
         """Why this router cannot run here, or None."""
@@ -65,6 +69,12 @@ ROUTERS: dict[str, RouterSpec] = {
     for spec in (
         RouterSpec(
             "proxy", "rollout-proxy, prefix policy (default)", env={"PROXY_POLICY": "prefix"}
+        ),
+        RouterSpec(
+            "proxy-events",
+            "rollout-proxy, prefix policy on the replicas' KV-cache events",
+            env={"PROXY_POLICY": "prefix", "PROXY_KV_EVENTS": "true"},
+            kv_events=True,
         ),
         RouterSpec("proxy-rr", "rollout-proxy, round_robin", env={"PROXY_POLICY": "round_robin"}),
         RouterSpec("proxy-ll", "rollout-proxy, least_loaded", env={"PROXY_POLICY": "least_loaded"}),

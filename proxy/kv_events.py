@@ -4,7 +4,8 @@ One ZMQ SUB socket per replica (pyzmq's asyncio sockets on the server's own even
 thread), connected to the replica's publisher (vLLM binds ``tcp://*:5557`` by default). Each
 message is ``[topic, seq (8 bytes big-endian), msgpack payload]``. A gap in ``seq`` is filled
 from vLLM's replay socket (ROUTER; one DEALER request per gap, answered by every buffered batch
-from the asked sequence number, then an end marker with seq -1) when one is configured;
+from the asked sequence number as ``[b"", topic, seq, payload]``, then an end marker with seq
+-1; vLLM after 0.33 drops the topic frame, also accepted) when one is configured;
 otherwise, or when the replay cannot fill it, that replica's view is dropped and routing falls
 back to the index for it until the view resynchronises (kv_view.py says when).
 
@@ -201,14 +202,15 @@ class ReplicaSubscriber:
                 if remaining <= 0:
                     raise TimeoutError
                 frames = await asyncio.wait_for(dealer.recv_multipart(), remaining)
-                if len(frames) != 3 or len(frames[1]) != 8:
+                # [b"", topic, seq, payload] (vLLM 0.32-0.33) or [b"", seq, payload] (later).
+                if len(frames) not in (3, 4) or len(frames[-2]) != 8:
                     self.bad_frames += 1
                     continue
-                seq = int.from_bytes(frames[1], "big", signed=True)
+                seq = int.from_bytes(frames[-2], "big", signed=True)
                 if seq == END_OF_REPLAY:
                     return
                 if start <= seq < until:
-                    self.view.apply(seq, decode(frames[2]))
+                    self.view.apply(seq, decode(frames[-1]))
         except TimeoutError:
             self.replay_failures += 1
             log.warning("replica %d: no KV event replay from %s", self.index, self.endpoints.replay)

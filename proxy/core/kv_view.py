@@ -24,7 +24,9 @@ on the precise path within one sync interval even without a replay endpoint.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +38,14 @@ _MASK64 = (1 << 64) - 1
 # tokens (bench/simulator.py sizes it). 2**18 = 262,144 keys leaves room for a 2x larger cache;
 # measured 88 bytes per key (bench/run_kv_events_micro.py), ~23 MB per replica when full.
 DEFAULT_VIEW_CAPACITY = 262_144
+# Events lag routing: a request's blocks are reported once vLLM schedules it, while the rest of its
+# GRPO group arrives within milliseconds. Blocks the proxy just sent to a replica therefore count
+# as held until the replica reports them stored (or removed), or for at most PENDING_TTL_S: the
+# time a request may wait in a busy replica's queue before it is scheduled. The recipe's
+# rollouts take ~4-30 s end to end; 30 s bounds the staleness of a claim nothing confirmed.
+PENDING_TTL_S = 30.0
+# Blocks awaiting confirmation per replica: a few hundred requests in flight x up to 256 blocks.
+MAX_PENDING_BLOCKS = 65_536
 # Predictions awaiting the replica's answer (one per routed request in flight). TRL keeps at most
 # a few hundred rollouts in flight; 65,536 means only a leak could ever push one out.
 MAX_PENDING_PREDICTIONS = 65_536
@@ -140,6 +150,8 @@ class ReplicaView:
             raise ValueError("view capacity must be >= 1 block")
         self.capacity = capacity
         self.blocks: dict[int, None] = {}
+        # Sent here, not yet reported stored: key -> deadline (see PENDING_TTL_S).
+        self.pending: OrderedDict[int, float] = OrderedDict()
         self.live = False  # the keys are exactly what the replica holds
         self.next_seq: int | None = None  # the sequence number expected next
         self.batches = 0
@@ -204,19 +216,23 @@ class ReplicaView:
             self.malformed += 1
             self.drop()
             return True
-        blocks = self.blocks
+        blocks, pending = self.blocks, self.pending
         for event in events:
             self.events += 1
             if event.kind == STORED:
                 # Idempotent: vLLM's "full" report mode re-reports hits.
                 for key in event.keys:
                     blocks[key] = None
+                    if pending:
+                        pending.pop(key, None)
             elif event.kind == REMOVED:
                 for key in event.keys:
                     blocks.pop(key, None)
+                    if pending:
+                        pending.pop(key, None)
             else:
                 self._resync()
-                blocks = self.blocks
+                blocks, pending = self.blocks, self.pending
         overflow = len(blocks) - self.capacity
         if overflow > 0:
             for key in list(_first(blocks, overflow)):
@@ -226,6 +242,7 @@ class ReplicaView:
 
     def _resync(self) -> None:
         self.blocks = {}
+        self.pending = OrderedDict()
         if not self.live:
             self.resyncs += 1
         self.live = True
@@ -237,6 +254,7 @@ class ReplicaView:
             self.dropped += 1
         self.live = False
         self.blocks = {}
+        self.pending = OrderedDict()
 
     def forget(self) -> None:
         """The replica went away (ejected, removed, restarting): start over, wait for seq 0."""
@@ -245,13 +263,30 @@ class ReplicaView:
 
     # -- lookups --------------------------------------------------------------------------
 
-    def held_prefix(self, keys: Sequence[int]) -> int:
-        """How many leading ``keys`` the replica holds (vLLM's own hit also stops at the first
-        missing block)."""
-        blocks = self.blocks
+    def expect(self, keys: Sequence[int], now: float) -> None:
+        """``keys`` were just sent here: count them as held until reported (PENDING_TTL_S)."""
+        pending = self.pending
+        deadline = now + PENDING_TTL_S
+        for key in keys:
+            if key in self.blocks:
+                continue
+            pending[key] = deadline
+            pending.move_to_end(key)
+        while len(pending) > MAX_PENDING_BLOCKS:
+            pending.popitem(last=False)
+
+    def held_prefix(self, keys: Sequence[int], now: float = 0.0) -> int:
+        """How many leading ``keys`` the replica holds or was just sent (vLLM's own hit also
+        stops at the first missing block)."""
+        blocks, pending = self.blocks, self.pending
+        while pending:
+            key, deadline = next(iter(pending.items()))
+            if deadline > now:
+                break
+            del pending[key]
         n = 0
         for key in keys:
-            if key not in blocks:
+            if key not in blocks and key not in pending:
                 break
             n += 1
         return n
@@ -280,8 +315,12 @@ class PreciseMatcher:
     expected to hold (``predict``), so the replica's reported hit can be compared with it.
     """
 
-    def __init__(self, views: dict[int, ReplicaView]) -> None:
+    def __init__(
+        self, views: dict[int, ReplicaView], clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.views = views
+        self._clock = clock
+        self._keys: Sequence[int] = ()
         self._reach: dict[int, int] = {}
         self._live_mask = 0
         self._pending: dict[int, tuple[int, bool]] = {}
@@ -309,9 +348,10 @@ class PreciseMatcher:
             eligible |= 1 << r
         live = self.live_mask(replicas)
         reach: dict[int, int] = {}
+        now = self._clock()
         for r in replicas:
             if live >> r & 1:
-                reach[r] = self.views[r].held_prefix(event_keys)
+                reach[r] = self.views[r].held_prefix(event_keys, now)
         values = index.lookup(index_keys)
         holders_of = index.holders
         fallback = eligible & ~live
@@ -345,13 +385,18 @@ class PreciseMatcher:
             reach.setdefault(r, 0)
         self._reach = reach
         self._live_mask = live
+        self._keys = event_keys
         return {r: max(0, d - common) for r, d in reach.items()}
 
-    def predict(self, decision: object, replica: int) -> None:
-        """Remember, for ``decision`` (until ``outcome``), how many leading blocks ``replica``
-        was expected to hold by the last ``specific_matches`` call and whether its view was
-        live. Keyed by the decision object's identity: every routed decision is written here
-        when it is made, so a reused id is overwritten before it can be read."""
+    def routed(self, decision: object, replica: int) -> None:
+        """The last ``specific_matches`` request went to ``replica``: its blocks count as held
+        there until its events confirm them, and the prediction is kept for ``outcome``: how
+        many leading blocks ``replica`` was expected to hold, and whether its view was live.
+        Keyed by the decision object's identity: every routed decision is written here when it
+        is made, so a reused id is overwritten before it can be read."""
+        view = self.views.get(replica)
+        if view is not None and view.live:
+            view.expect(self._keys, self._clock())
         pending = self._pending
         if len(pending) >= MAX_PENDING_PREDICTIONS:
             del pending[next(iter(pending))]

@@ -116,7 +116,7 @@ class Router:
             decision.replica, decision.outcome, decision.matched_blocks, tuple(blocks)
         )
         if self.precise is not None:
-            self.precise.predict(result, result.replica)
+            self.precise.routed(result, result.replica)
         return result
 
     def _event_keys(self, key: RoutingKey, lora_path: str | None, blocks: list[int]) -> list[int]:

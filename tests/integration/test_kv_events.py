@@ -4,6 +4,7 @@ and replays against a publisher speaking vLLM's wire format, bad input, and the 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -241,3 +242,64 @@ async def test_subscriber_task_survives_and_stops_cleanly() -> None:
     finally:
         await sub.stop()
         pub.close(linger=0)
+
+
+# -- the simulator publishes what its cache holds ---------------------------------------------
+
+
+async def test_simulator_events_describe_its_cache_exactly() -> None:
+    from bench.kv_events_publisher import publish_events
+    from bench.simulator import Replica, SimClock, SimConfig
+
+    # 40 blocks of 16 tokens: a few prompts with their completions overflow it, so it evicts.
+    config = SimConfig(kv_events=True, time_scale=0.001, kv_blocks=40, max_model_len=256,
+                       gen_median_tokens=40, gen_sigma=0.0)  # fmt: skip
+    replica = Replica(config, SimClock(config.time_scale))
+    publisher = publish_events(replica.engine, config.block_size, "127.0.0.1")
+    replica.engine.start()
+    ctx = zmq.asyncio.Context.instance()
+    sub = ReplicaSubscriber(
+        0,
+        Endpoints(publisher.endpoint, publisher.replay_endpoint),
+        ReplicaView(1000),
+        ctx,
+        "",
+        2.0,
+    )
+    sub.start()  # joins late: what it missed comes from the replay socket
+    try:
+        rng = random.Random(5)
+
+        async def serve(n: int) -> None:
+            prompts = [
+                [rng.randrange(1000) for _ in range(rng.randrange(20, 120))] for _ in range(n)
+            ]
+            await asyncio.gather(*(
+                replica.complete({"model": config.model, "prompt": p, "max_tokens": 60, "seed": i})
+                for i, p in enumerate(prompts)
+            ))  # fmt: skip
+
+        async def settled() -> None:
+            deadline = time.monotonic() + 10
+            while sub.view.next_seq != publisher.batches:
+                assert time.monotonic() < deadline, (sub.view.next_seq, publisher.batches)
+                await asyncio.sleep(0.02)
+
+        await serve(12)
+        replica.engine.reset_cache()  # what /pause does
+        await serve(12)
+        await settled()
+        cache = replica.engine.cache
+        assert cache.evictions > 0
+        assert sub.view.live
+        assert set(sub.view.blocks) == set(cache._index)  # every findable block, no other
+        # The keys are vLLM's: the proxy's exact hasher finds a cached prompt's blocks.
+        prompt = [rng.randrange(1000) for _ in range(100)]
+        await replica.complete({"model": config.model, "prompt": prompt, "max_tokens": 1})
+        await settled()
+        keys = VllmHasher(config.block_size).hash_tokens(prompt, Namespace("base"))
+        assert sub.view.held_prefix(keys) == len(keys)
+    finally:
+        await sub.stop()
+        await replica.engine.stop()
+        await publisher.close()

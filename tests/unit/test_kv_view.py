@@ -12,6 +12,7 @@ from proxy.core.extract import RoutingKey
 from proxy.core.hashing import Namespace, VllmHasher
 from proxy.core.kv_view import (
     CLEARED,
+    PENDING_TTL_S,
     REMOVED,
     STORED,
     KvEvent,
@@ -346,7 +347,53 @@ def test_router_routes_on_the_view_and_remembers_the_prediction() -> None:
     assert (decision.replica, decision.outcome, decision.matched_blocks) == (1, "affinity", 5)
     assert router.precise.outcome(decision) == (5, True)
     assert router.precise.outcome(decision) is None  # read once
-    # After an unload purges the name, the index keys change but vLLM's do not.
+    # After an unload purges the name, the index keys change but vLLM's do not. (The sixth
+    # block was just sent to replica 1: it counts as held there, see below.)
     router.purge_model("m")
     decision = router.route(request, [(0, 0.0), (1, 2.0)])
-    assert decision.replica == 1 and decision.matched_blocks == 5
+    assert decision.replica == 1 and decision.matched_blocks == 6
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_group_stays_together_before_its_first_blocks_are_reported() -> None:
+    """Events lag routing: the rest of a GRPO group arrives before vLLM reports the first
+    rollout's blocks. What the proxy just sent counts as held until confirmed or expired."""
+    clock = Clock()
+    hasher = VllmHasher(16)
+    router = Router(hasher, PrefixIndex(1000), PrefixAffinity(8))
+    views = {0: live_view(), 1: live_view()}
+    router.precise = PreciseMatcher(views, clock)
+    tokens = list(range(100))
+    request = RoutingKey("m", tokens, None, None, False, 1)
+    loads = [[0, 0.0], [1, 0.0]]
+    first = router.route(request, [tuple(x) for x in loads])  # type: ignore[misc]
+    loads[first.replica][1] += 1
+    for _ in range(7):
+        d = router.route(request, [tuple(x) for x in loads])  # type: ignore[misc]
+        assert (d.replica, d.outcome) == (first.replica, "affinity")
+        loads[d.replica][1] += 1
+    keys = hasher.hash_tokens(tokens, Namespace("m"))
+    view = views[first.replica]
+    assert view.held_prefix(keys[:6], clock.now) == 6 and len(view) == 0
+    # Confirmed: the view holds them; a later eviction is believed at once.
+    view.apply(1, batch(stored(*keys[:6])))
+    assert not view.pending
+    view.apply(2, batch(removed(keys[3])))
+    assert view.held_prefix(keys[:6], clock.now) == 3
+    # Never confirmed (the request never got scheduled): believed for PENDING_TTL_S only.
+    other = views[1 - first.replica]
+    other.expect(keys[:6], clock.now)
+    assert other.held_prefix(keys[:6], clock.now + PENDING_TTL_S - 1) == 6
+    assert other.held_prefix(keys[:6], clock.now + PENDING_TTL_S + 1) == 0
+    assert not other.pending
+    # A cache reset forgets claims too.
+    other.expect(keys[:6], clock.now)
+    other.apply(1, batch(cleared()))
+    assert other.held_prefix(keys[:6], clock.now) == 0
