@@ -162,7 +162,7 @@ def _kv_events(rt: Runtime) -> KvEvents:
         from proxy.kv_events import KvEvents
     except ImportError as exc:  # pragma: no cover - depends on the install
         raise RuntimeError("PROXY_KV_EVENTS needs the [kv-events] extra (pyzmq, msgpack)") from exc
-    kv = KvEvents(rt.settings, rt.fleet, lambda: rt.router.block_size)
+    kv = KvEvents(rt.settings, rt.fleet, lambda: rt.router.block_size, lambda: rt.router.hasher)
     kv.register(rt.metrics.registry)
     rt.router.precise = kv.matcher
     rt.data.kv_events = kv

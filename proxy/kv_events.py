@@ -37,7 +37,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from proxy.core.fleet import Fleet, Status
-from proxy.core.kv_view import PreciseMatcher, ReplicaView
+from proxy.core.hashing import BlockHasher, Namespace
+from proxy.core.kv_view import PreciseMatcher, ReplicaView, root_block
 from proxy.settings import Settings
 
 log = logging.getLogger("rollout_proxy.kv_events")
@@ -116,8 +117,10 @@ class ReplicaSubscriber:
         context: zmq.asyncio.Context,
         topic: str,
         replay_timeout_s: float,
+        hasher: Callable[[], BlockHasher] | None = None,
     ) -> None:
         self.index = index
+        self._hasher = hasher
         self.endpoints = endpoints
         self.view = view
         self._ctx = context
@@ -180,11 +183,34 @@ class ReplicaSubscriber:
                     seq - 1,
                 )
         view.apply(seq, payload)
+        if view.hashes_match is not True and self._hasher is not None:
+            self._check_hashes(payload)
         now = time.time()
         ts = batch_time(payload)
         if ts is not None:
             self.lag_s = max(0.0, now - ts)
         self.last_batch_at = now
+
+    def _check_hashes(self, payload: Any) -> None:
+        """Compare a base-model root block's reported key with the proxy's exact hash of its
+        tokens (one sha256; done until the first block that can be checked)."""
+        assert self._hasher is not None
+        root = root_block(payload)
+        if root is None:
+            return
+        tokens, reported = root
+        hasher = self._hasher()
+        if hasher.mode != "exact" or len(tokens) != hasher.block_size:
+            return
+        match = hasher.hash_tokens(tokens, Namespace("")) == [reported]
+        if not match and self.view.hashes_match is None:
+            log.error(
+                "replica %d: its KV-event block hashes differ from the proxy's exact hashes; "
+                "check PROXY_VLLM_HASH_SEED (the replicas' PYTHONHASHSEED) and "
+                "PROXY_VLLM_HASH_ALGO. Routing uses the index for this replica.",
+                self.index,
+            )
+        self.view.hashes_match = match
 
     async def _replay(self, start: int, until: int) -> None:
         """Ask the replica's replay socket for batches ``start..until-1`` and apply them."""
@@ -221,10 +247,17 @@ class ReplicaSubscriber:
 class KvEvents:
     """Every replica's view, their subscribers, and the hit predictions to check."""
 
-    def __init__(self, settings: Settings, fleet: Fleet, block_size: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        fleet: Fleet,
+        block_size: Callable[[], int],
+        hasher: Callable[[], BlockHasher] | None = None,
+    ) -> None:
         self.settings = settings
         self.fleet = fleet
         self._block_size = block_size
+        self._hasher = hasher
         self.views: dict[int, ReplicaView] = {}
         self.matcher = PreciseMatcher(self.views)
         self.subscribers: dict[int, ReplicaSubscriber] = {}
@@ -279,7 +312,13 @@ class KvEvents:
                 continue
             view = self.views.setdefault(i, ReplicaView(s.kv_events_view_capacity))
             sub = ReplicaSubscriber(
-                i, ends, view, self._ctx, s.kv_events_topic, s.kv_events_replay_timeout_s
+                i,
+                ends,
+                view,
+                self._ctx,
+                s.kv_events_topic,
+                s.kv_events_replay_timeout_s,
+                self._hasher,
             )
             self.subscribers[i] = sub
             sub.start()
@@ -315,6 +354,7 @@ class KvEvents:
                 "endpoint": sub.endpoints.events if sub else None,
                 "replay_endpoint": sub.endpoints.replay if sub else None,
                 "live": view.live,
+                "hashes_match": view.hashes_match,
                 "blocks": len(view),
                 "next_seq": view.next_seq,
                 "batches": view.batches,
@@ -378,7 +418,7 @@ class KvEventsCollector(Collector):
             }
             for name, value in values.items():
                 families[name].add_metric(label, value)
-            live.add_metric(label, 1.0 if view.live else 0.0)
+            live.add_metric(label, 1.0 if view.usable else 0.0)
             blocks.add_metric(label, len(view))
             lag.add_metric(label, sub.lag_s if sub else 0.0)
         yield from families.values()

@@ -121,6 +121,40 @@ def parse_event(raw: Any) -> KvEvent | None:
     return KvEvent(kind, keys)
 
 
+def root_block(payload: Any) -> tuple[list[int], int] | None:
+    """From a decoded batch, the token ids and reported key of a block that starts a base-model
+    chain (no parent, no LoRA, no salt or other extra keys): the one block whose key depends on
+    nothing but the replicas' hash algorithm and seed, so the proxy can check its own hashes
+    against it. None when the batch has no such block (or is malformed)."""
+    events = payload.get("events") if isinstance(payload, dict) else None
+    if isinstance(payload, list | tuple) and len(payload) >= 2:
+        events = payload[1]
+    if not isinstance(events, list | tuple):
+        return None
+    for e in events:
+        if not isinstance(e, dict) or e.get("type") != STORED:
+            continue
+        if e.get("parent_block_hash") is not None or e.get("lora_name") or e.get("lora_id"):
+            continue
+        extra, hashes, tokens, size = (
+            e.get("extra_keys"), e.get("block_hashes"), e.get("token_ids"), e.get("block_size"),
+        )  # fmt: skip
+        if extra is not None and (not isinstance(extra, list) or not extra or extra[0]):
+            continue
+        if not (isinstance(hashes, list) and hashes and isinstance(size, int) and size > 0):
+            continue
+        if not isinstance(tokens, list) or len(tokens) < size:
+            continue
+        first = tokens[:size]
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in first):
+            continue
+        try:
+            return first, _block_key(hashes[0])
+        except MalformedBatch:
+            continue
+    return None
+
+
 def parse_batch(payload: Any) -> list[KvEvent]:
     """The events of one decoded batch: ``[ts, events, dp_rank]`` (vLLM <= 0.33, array-like)
     or ``{"ts", "events", "data_parallel_rank"}`` (map-encoded). Raises MalformedBatch."""
@@ -161,6 +195,15 @@ class ReplicaView:
         self.resyncs = 0
         self.dropped = 0  # times the view stopped being trusted
         self.overflow = 0  # keys forgotten to respect ``capacity``
+        # Whether the proxy's exact hashes reproduce this replica's keys (checked on a base-model
+        # root block, see ``root_block``): None until checked. A replica whose keys differ (wrong
+        # PROXY_VLLM_HASH_SEED or algorithm) would never match: it is routed on the index.
+        self.hashes_match: bool | None = None
+
+    @property
+    def usable(self) -> bool:
+        """Routing may score this replica by its view."""
+        return self.live and self.hashes_match is not False
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -330,7 +373,7 @@ class PreciseMatcher:
         views = self.views
         for r in replicas:
             view = views.get(r)
-            if view is not None and view.live:
+            if view is not None and view.usable:
                 mask |= 1 << r
         return mask
 
@@ -395,7 +438,7 @@ class PreciseMatcher:
         Keyed by the decision object's identity: every routed decision is written here when it
         is made, so a reused id is overwritten before it can be read."""
         view = self.views.get(replica)
-        if view is not None and view.live:
+        if view is not None and view.usable:
             view.expect(self._keys, self._clock())
         pending = self._pending
         if len(pending) >= MAX_PENDING_PREDICTIONS:

