@@ -173,14 +173,22 @@ async def _probe_control(
         models = await _get_json(session, url + "/v1/models")
         if any(m["id"] == PROBE_ADAPTER for m in models["data"]):
             probe.load_replicas += 1
-            await _post(session, url + "/v1/unload_lora_adapter", {"lora_name": PROBE_ADAPTER})
+    # Undone through the router first: rollout-proxy keeps a desired state and its health loop
+    # would otherwise re-load the adapter and re-pause the replicas mid-run (a deadlock once
+    # every rollout slot waits on a frozen replica). Then directly, for routers that did not
+    # broadcast.
+    await _post(session, router_url + "/v1/unload_lora_adapter", {"lora_name": PROBE_ADAPTER})
+    for url in replica_urls:
+        await _post(session, url + "/v1/unload_lora_adapter", {"lora_name": PROBE_ADAPTER})
     probe.pause_status, _ = await _post(session, router_url + "/pause?mode=keep")
     for url in replica_urls:
         state = await _get_json(session, url + "/sim/stats?log=0")
         if (await _get_json(session, url + "/is_paused"))["is_paused"]:
             probe.pause_replicas += 1
             probe.pause_modes.append(state["last_pause_mode"] or "?")
-            await _post(session, url + "/resume")
+    await _post(session, router_url + "/resume")
+    for url in replica_urls:
+        await _post(session, url + "/resume")
     return probe
 
 
