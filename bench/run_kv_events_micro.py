@@ -32,16 +32,17 @@ BLOCK = 16
 
 
 def per_call_us(fn: Callable[[], object], min_s: float = 0.3) -> float:
-    """Best of 5 rounds of the mean over enough calls to take ``min_s``."""
+    """Best of 9 rounds of the mean over enough calls to take ``min_s`` (the best round is the
+    one least disturbed by other work on a shared machine)."""
     n, elapsed = 1, 0.0
-    while elapsed < min_s / 5:
+    while elapsed < min_s / 9:
         n *= 2
         t0 = time.process_time()
         for _ in range(n):
             fn()
         elapsed = time.process_time() - t0
     best = float("inf")
-    for _ in range(5):
+    for _ in range(9):
         t0 = time.process_time()
         for _ in range(n):
             fn()

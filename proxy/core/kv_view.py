@@ -366,7 +366,9 @@ class PreciseMatcher:
         self._keys: Sequence[int] = ()
         self._reach: dict[int, int] = {}
         self._live_mask = 0
-        self._pending: dict[int, tuple[int, bool]] = {}
+        # Ordered: predictions never read (a streamed answer, a failed request) leave oldest
+        # first, in O(1) (a plain dict's front deletions make the next lookup scan).
+        self._pending: OrderedDict[int, tuple[int, bool]] = OrderedDict()
 
     def live_mask(self, replicas: Sequence[int]) -> int:
         mask = 0
@@ -442,7 +444,7 @@ class PreciseMatcher:
             view.expect(self._keys, self._clock())
         pending = self._pending
         if len(pending) >= MAX_PENDING_PREDICTIONS:
-            del pending[next(iter(pending))]
+            pending.popitem(last=False)
         pending[id(decision)] = (self._reach.get(replica, 0), bool(self._live_mask >> replica & 1))
 
     def outcome(self, decision: object) -> tuple[int, bool] | None:
