@@ -101,10 +101,12 @@ class Router:
         blocks = self.block_keys(key, lora_path)
         # vLLM always recomputes the last prompt token, so at most (len-1)//bs blocks can hit.
         matchable = blocks[: max(0, (key.length - 1) // self.block_size)]
-        if self.precise is None:
+        # Text prompts without a tokenizer hash approximately: only token ids match vLLM's keys.
+        precise = self.precise if key.tokens is not None else None
+        if precise is None:
             matches = self.specific_matches(matchable, [r for r, _ in loads])
         else:
-            matches = self.precise.specific_matches(
+            matches = precise.specific_matches(
                 self.index,
                 matchable,
                 self._event_keys(key, lora_path, matchable),
@@ -115,8 +117,8 @@ class Router:
         result = Decision(
             decision.replica, decision.outcome, decision.matched_blocks, tuple(blocks)
         )
-        if self.precise is not None:
-            self.precise.routed(result, result.replica)
+        if precise is not None:
+            precise.routed(result, result.replica)
         return result
 
     def _event_keys(self, key: RoutingKey, lora_path: str | None, blocks: list[int]) -> list[int]:

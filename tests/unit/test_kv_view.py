@@ -397,3 +397,14 @@ def test_a_group_stays_together_before_its_first_blocks_are_reported() -> None:
     other.expect(keys[:6], clock.now)
     other.apply(1, batch(cleared()))
     assert other.held_prefix(keys[:6], clock.now) == 0
+
+
+def test_text_prompts_route_on_the_index_even_with_live_views() -> None:
+    """Without a tokenizer a text prompt hashes approximately: vLLM's keys cannot match it."""
+    router = Router(VllmHasher(16), PrefixIndex(1000), PrefixAffinity(8))
+    router.precise = PreciseMatcher({0: live_view(), 1: live_view()})
+    text = RoutingKey("m", None, b"x" * 400, None, False, 1)
+    first = router.route(text, [(0, 0.0), (1, 0.0)])
+    again = router.route(text, [(0, 0.0), (1, 0.0)])
+    assert again.replica == first.replica and again.outcome == "affinity"
+    assert router.precise.outcome(first) is None  # no prediction: nothing to check it against
