@@ -4,6 +4,9 @@
   ``PROXY_POLICY``, so the row follows whatever the default is).
 - ``proxy-prefix`` / ``proxy-rr`` / ``proxy-ll``: the same process with
   ``PROXY_POLICY=prefix|round_robin|least_loaded`` (same HTTP path, so only the policy differs).
+- ``proxy-events``: rollout-proxy, default policy, scoring replicas on their KV-cache events
+  (``PROXY_KV_EVENTS``); the simulator then publishes them (vLLM's wire format,
+  bench/kv_events_publisher.py).
 - ``vllm-router``: the vLLM project's Rust router (PyPI ``vllm-router``), ``--policy cache_aware``.
 - ``sglang-router``: SGLang's Rust router (PyPI ``sglang-router``), ``--policy cache_aware``.
 
@@ -42,6 +45,8 @@ class RouterSpec:
     # ids as a string, which the simulator accepts; see the report.
     prompt_format: PromptFormat = "ids"
     env: Mapping[str, str] = field(default_factory=dict)
+    # Subscribes to the replicas' KV-cache events (the simulator must publish them).
+    kv_events: bool = False
 
     def unavailable(self) -> str | None:
         """Why this router cannot run here, or None."""
@@ -85,6 +90,12 @@ ROUTERS: dict[str, RouterSpec] = {
     for spec in (
         RouterSpec("proxy", "rollout-proxy, default policy (cost)"),
         RouterSpec("proxy-prefix", "rollout-proxy, prefix", env={"PROXY_POLICY": "prefix"}),
+        RouterSpec(
+            "proxy-events",
+            "rollout-proxy, default policy on the replicas' KV-cache events",
+            env={"PROXY_KV_EVENTS": "true"},
+            kv_events=True,
+        ),
         RouterSpec("proxy-rr", "rollout-proxy, round_robin", env={"PROXY_POLICY": "round_robin"}),
         RouterSpec("proxy-ll", "rollout-proxy, least_loaded", env={"PROXY_POLICY": "least_loaded"}),
         RouterSpec("vllm-router", "vllm-router --policy cache_aware", tool="vllm-router"),

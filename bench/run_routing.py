@@ -33,6 +33,7 @@ from typing import Any
 
 import aiohttp
 
+from bench.kv_events_report import kv_events_section, kv_events_summary
 from bench.oracle import oracle_hits, throughput_ceiling
 from bench.procs import REPO, ManagedProcess, free_port, machine_description, managed
 from bench.report import fmt, pct, percentile, table
@@ -147,6 +148,7 @@ class RunResult:
     groups_whole: float = math.nan
     replicas_per_group: float = math.nan
     decisions: dict[str, float] = field(default_factory=dict)
+    kv_events: dict[str, float] = field(default_factory=dict)  # proxy-events: its event views
     per_replica: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -456,17 +458,21 @@ async def run_one(
         fleet = stack.enter_context(
             managed(f"simulator-{tag}", sim_argv, log_dir / f"sim-{tag}.log", capture_stdout=True)
         )
-        ports = fleet.read_json_line(startup_timeout_s)["ports"]
+        fleet_info = fleet.read_json_line(startup_timeout_s)
+        ports = fleet_info["ports"]
         assert isinstance(ports, list)
         urls = [f"http://127.0.0.1:{p}" for p in ports]
         port = free_port()
         router_url = f"http://127.0.0.1:{port}"
+        env = spec.environment(probe_real)
+        if spec.kv_events:
+            env["PROXY_KV_EVENTS_ENDPOINTS"] = ",".join(fleet_info.get("kv_events", []))
         router = stack.enter_context(
             managed(
                 spec.name,
                 spec.argv(urls, port, probe_real),
                 log_dir / f"router-{tag}.log",
-                spec.environment(probe_real),
+                env,
             )
         )
         async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -485,6 +491,8 @@ async def run_one(
             stats = [await _get_json(session, url + "/sim/stats") for url in urls]
             if spec.tool is None:
                 result.decisions = await _proxy_decisions(session, router_url)
+            if spec.kv_events:
+                result.kv_events = await kv_events_summary(session, router_url)
         if not router.alive():
             result.status, result.reason = (
                 "failed",
@@ -778,6 +786,7 @@ def write_report(
                 + [fmt(r.replicas_per_group, 2)]
             )
         md.append(table(["run", "affinity", "spilled", "unmatched", "replicas per group"], rows))
+    md.append(kv_events_section(results))
     failures = [r for r in results if r.status == "failed" or r.errors]
     if failures:
         md.append("\n## Failures\n\n")
@@ -915,7 +924,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--replicas", default=None, help="comma-separated counts (default 2,4,8,16)")
     p.add_argument(
-        "--routers", default=",".join(ROUTERS), help=f"comma-separated, from {sorted(ROUTERS)}"
+        "--routers",
+        # proxy-events makes every simulator of the run publish events (fair, but costlier):
+        # it runs when named.
+        default=",".join(n for n, s in ROUTERS.items() if not s.kv_events),
+        help=f"comma-separated, from {sorted(ROUTERS)}",
     )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder")
     p.add_argument("--seed", type=int, default=0)
@@ -1035,6 +1048,12 @@ async def amain(argv: Sequence[str] | None = None) -> int:
     workloads, sizes = configs(args)
     interval = probe_interval(args)
     specs = select([x for x in args.routers.split(",") if x])
+    if any(s.kv_events for s in specs):
+        # Every router of the run faces the same publishing (and so equally loaded) replicas.
+        workloads = [
+            dataclasses.replace(w, sim=dataclasses.replace(w.sim, kv_events=True))
+            for w in workloads
+        ]
     log_dir = args.out / "tmp" / "logs"  # bench/results/tmp/ is git-ignored
     started = time.monotonic()
     results: list[RunResult] = []

@@ -104,6 +104,9 @@ class SimConfig:
     # Qwen2.5 vocabulary size and its <|endoftext|> id, for plausible output ids.
     vocab_size: int = 151_936
     eos_token_id: int = 151_643
+    # Publish KV-cache events the way vLLM does (bench/kv_events_publisher.py; hashes become
+    # vLLM's exact sha256 keys so the proxy can match them). Off: the events cost CPU.
+    kv_events: bool = False
 
     def __post_init__(self) -> None:
         positive = {
@@ -215,6 +218,7 @@ class KVCache:
         self._pinned = 0  # blocks with ref > 0 (hashed or orphaned by a reset)
         self._anon = 0
         self.evictions = 0
+        self.events: Any = None  # a KvEventPublisher when SimConfig.kv_events
 
     @property
     def used_blocks(self) -> int:
@@ -260,10 +264,14 @@ class KVCache:
                 self._pinned += 1
             b.ref += 1
         free = self.capacity - self._pinned - self._anon - len(self._evictable)
+        evicted = []
         for _ in range(new_needed - free):
             _, victim = self._evictable.popitem(last=False)
             del self._index[victim.hash]
             self.evictions += 1
+            evicted.append(victim.hash)
+        if self.events is not None:
+            self.events.removed(evicted)
         owned = list(hit)
         anon = new_needed
         for h in hashes[len(hit) :]:
@@ -275,6 +283,8 @@ class KVCache:
             self._pinned += 1
             anon -= 1
         self._anon += anon
+        if self.events is not None:
+            self.events.stored([b.hash for b in owned[len(hit) :]])
         return Allocation(owned, anon, len(hit))
 
     def release(self, alloc: Allocation, output_hashes: Sequence[int]) -> None:
@@ -288,6 +298,8 @@ class KVCache:
             b = _Block(h, 0)
             self._index[h] = b
             new.append(b)
+        if self.events is not None:
+            self.events.stored([b.hash for b in new])
         # Free tail-first so that, under pressure, the ends of sequences go before their prefixes.
         for b in reversed(new):
             self._evictable[b.hash] = b
@@ -304,6 +316,8 @@ class KVCache:
         """Forget every cached block; blocks of running requests stay allocated, unfindable."""
         self._index.clear()
         self._evictable.clear()
+        if self.events is not None:
+            self.events.cleared()
 
 
 # --------------------------------------------------------------------------------------------
@@ -376,6 +390,7 @@ class Engine:
         self.config = config
         self.clock = clock
         self.cache = KVCache(config.kv_blocks)
+        self.hash_blocks = block_hashes  # vLLM's exact keys when the cache publishes events
         self.stats = EngineStats()
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
@@ -514,7 +529,7 @@ class Engine:
             n_prompt_full = len(r.prompt) // bs
             seq = r.prompt + r.output
             parent = r.hashes[n_prompt_full - 1] if n_prompt_full else None
-            out_hashes = block_hashes(seq, r.adapter, bs, start=n_prompt_full, parent=parent)
+            out_hashes = self.hash_blocks(seq, r.adapter, bs, start=n_prompt_full, parent=parent)
             self.cache.release(r.alloc, out_hashes)
             r.alloc = None
         self.stats.finished += 1
@@ -712,7 +727,7 @@ class Replica:
         elif type(seed) is not int:
             raise _bad("seed must be an integer")
         output, reason = self.sample_output(seed, max_tokens)
-        hashes = block_hashes(prompt, adapter, self.config.block_size)
+        hashes = self.engine.hash_blocks(prompt, adapter, self.config.block_size)
         loop = asyncio.get_running_loop()
         self._ids += 1
         req = SimRequest(
@@ -1060,8 +1075,14 @@ async def serve_fleet(count: int, config: SimConfig, host: str = "127.0.0.1") ->
     clock = SimClock(config.time_scale)
     sockets = [_bind(host) for _ in range(count)]
     servers = []
+    publishers: list[Any] = []
     for i in range(count):
-        app = create_app(Replica(config, clock, index=i))
+        replica = Replica(config, clock, index=i)
+        if config.kv_events:
+            from bench.kv_events_publisher import publish_events
+
+            publishers.append(publish_events(replica.engine, config.block_size, host))
+        app = create_app(replica)
         cfg = uvicorn.Config(
             app, log_level="warning", access_log=False, lifespan="on", timeout_keep_alive=30
         )
@@ -1083,8 +1104,11 @@ async def serve_fleet(count: int, config: SimConfig, host: str = "127.0.0.1") ->
             break
         await asyncio.sleep(0.01)
     ports = [sock.getsockname()[1] for sock in sockets]
-    print(json.dumps({"ports": ports}), flush=True)
+    kv = {"kv_events": [f"{p.endpoint}|{p.replay_endpoint}" for p in publishers]}
+    print(json.dumps({"ports": ports, **(kv if publishers else {})}), flush=True)
     await asyncio.gather(*tasks)
+    for p in publishers:
+        await p.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

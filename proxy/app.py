@@ -13,7 +13,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from fastapi import FastAPI, Request
@@ -46,6 +46,9 @@ from proxy.settings import Settings
 from proxy.shutdown import Shutdown
 from proxy.upstream import Upstream, tls_verify
 
+if TYPE_CHECKING:
+    from proxy.kv_events import KvEvents
+
 log = logging.getLogger("rollout_proxy")
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default on GPU, and the published recipe's --block-size
@@ -75,6 +78,7 @@ class Runtime:
     shutdown: Shutdown
     guard: Guard
     routing_error: str | None = None
+    kv_events: KvEvents | None = None
 
 
 def _load_tokenizer(path: str) -> Tokenizer:
@@ -147,7 +151,22 @@ def build_runtime(settings: Settings, transport: httpx.AsyncBaseTransport | None
         guard,
     )
     rt_holder["rt"] = rt
+    if settings.kv_events:
+        rt.kv_events = _kv_events(rt)
     return rt
+
+
+def _kv_events(rt: Runtime) -> KvEvents:
+    """Precise routing: the events views score replicas, the data path checks predictions."""
+    try:
+        from proxy.kv_events import KvEvents
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise RuntimeError("PROXY_KV_EVENTS needs the [kv-events] extra (pyzmq, msgpack)") from exc
+    kv = KvEvents(rt.settings, rt.fleet, lambda: rt.router.block_size, lambda: rt.router.hasher)
+    kv.register(rt.metrics.registry)
+    rt.router.precise = kv.matcher
+    rt.data.kv_events = kv
+    return kv
 
 
 def configure_routing(rt: Runtime) -> None:
@@ -209,9 +228,13 @@ def _lifespan(rt: Runtime, background: bool) -> Callable[[FastAPI], Any]:
         configure_routing(rt)
         if background:
             rt.health.start()
+        if rt.kv_events is not None:
+            await rt.kv_events.start()
         try:
             yield
         finally:
+            if rt.kv_events is not None:
+                await rt.kv_events.stop()
             await rt.health.stop()
             await rt.data.relay.aclose()
             await rt.upstream.aclose()
@@ -405,6 +428,13 @@ def _admin_routes(app: FastAPI, rt: Runtime) -> None:
     @app.get("/admin/fleet")
     async def fleet_state() -> JSONResponse:
         return JSONResponse(fleet_snapshot(rt))
+
+    @app.get("/admin/kv_events")
+    async def kv_events_state(blocks: bool = False) -> JSONResponse:
+        """Each replica's events view; ``?blocks=true`` adds its block keys (large)."""
+        if rt.kv_events is None:
+            raise NotSupported("KV-event routing is off (PROXY_KV_EVENTS)")
+        return JSONResponse({"replicas": rt.kv_events.snapshot(blocks)})
 
     @app.post("/admin/replicas")
     async def add_replica(request: Request) -> JSONResponse:

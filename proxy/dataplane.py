@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from starlette.responses import Response
@@ -33,6 +33,9 @@ from proxy.relay import Relay, Reply
 from proxy.security.guard import Guard
 from proxy.upstream import ReplicaBroken, ReplicaUnreachable
 from proxy.wire import send_whole
+
+if TYPE_CHECKING:
+    from proxy.kv_events import KvEvents
 
 log = logging.getLogger("rollout_proxy.dataplane")
 
@@ -76,6 +79,7 @@ class DataPlane:
         self.metrics = metrics
         self.eject = eject
         self.routing_error = routing_error
+        self.kv_events: KvEvents | None = None  # PROXY_KV_EVENTS: checks hit predictions
 
     def _no_replica(self, model: str, tried: set[int]) -> Exception:
         if not self.fleet.is_base_model(model) and not self.fleet.known_anywhere(model):
@@ -175,6 +179,8 @@ class DataPlane:
             self.metrics.count_request(route, label, reply.status)
             if reply.status == 200 and key.tokens is not None and key.num_prompts == 1:
                 self._remember_completion(key, decision, reply.body, lora_path)
+            if self.kv_events is not None:
+                self.kv_events.observe(decision, reply.body)
             if log.isEnabledFor(logging.DEBUG):
                 log.debug(
                     "request %s: %s -> replica %d, %d in %.1f ms (%s, %d blocks matched)",

@@ -189,6 +189,50 @@ class Settings(BaseSettings):
     log_json: bool = Field(False, description="JSON log lines (one object per line).")
     log_level: str = Field("info", description="Python log level.")
 
+    # -- precise routing from vLLM's KV-cache events (proxy/kv_events.py) ----------------------
+    kv_events: bool = Field(
+        False,
+        description="Route on the blocks each replica reports cached (vLLM --kv-events-config, "
+        "ZMQ) instead of the proxy's memory of what it sent; a replica that publishes nothing "
+        "falls back to the index. Implies PROXY_HASH_MODE=exact. Needs the [kv-events] extra. "
+        "Off by default until it wins on real fleets (bench/results/kv_events.md).",
+    )
+    kv_events_port: int = Field(
+        5557,
+        ge=1,
+        le=65535,
+        description="Port of each replica's event publisher, on the replica URL's host: "
+        "vLLM's default endpoint tcp://*:5557.",
+    )
+    kv_events_replay_port: int | None = Field(
+        5558,
+        ge=1,
+        le=65535,
+        description="Port of each replica's replay socket (vLLM's replay_endpoint; the port "
+        "deploy/ configures). Unset: a gap drops that replica's view until it resyncs.",
+    )
+    kv_events_endpoints: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Explicit per-replica endpoints instead of host+ports, comma-separated in "
+        "PROXY_REPLICAS order: 'tcp://h:5557' or 'tcp://h:5557|tcp://h:5558' (events|replay); "
+        "ipc:// works too. A replica without an entry falls back to the index.",
+    )
+    kv_events_topic: str = Field(
+        "", description="Topic prefix subscribed to (vLLM's kv-events 'topic'; default '')."
+    )
+    kv_events_replay_timeout_s: float = Field(
+        1.0,
+        gt=0,
+        description="Wait for a replay answer. A replay is a local buffer read on the replica "
+        "(milliseconds); events keep queueing in the socket meanwhile, so 1 s bounds the stall.",
+    )
+    kv_events_view_capacity: int = Field(
+        262_144,
+        ge=1,
+        description="Most blocks remembered per replica. 2**18: twice the ~140k blocks of an "
+        "H100-80GB serving the recipe's 1.5B model; 88 bytes per block (measured), ~23 MB.",
+    )
+
     # -- security (enforced by proxy/security.py) -----------------------------------------------
     api_keys: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list,
@@ -324,6 +368,33 @@ class Settings(BaseSettings):
         if len(set(cleaned)) != len(cleaned):
             raise ValueError("replica URLs must be distinct")
         return cleaned
+
+    @field_validator("kv_events_endpoints", mode="before")
+    @classmethod
+    def _parse_kv_endpoints(cls, value: Any) -> Any:
+        return _split_urls(value)
+
+    @field_validator("kv_events_endpoints")
+    @classmethod
+    def _check_kv_endpoints(cls, value: list[str]) -> list[str]:
+        for entry in value:
+            for endpoint in entry.split("|"):
+                if not endpoint.startswith(("tcp://", "ipc://")) or len(endpoint) < 7:
+                    raise ValueError(
+                        f"KV events endpoint {endpoint!r} must be tcp://host:port or ipc://path"
+                    )
+        return value
+
+    @model_validator(mode="after")
+    def _kv_events_need_exact_hashes(self) -> Settings:
+        if self.kv_events and self.hash_mode != "exact":
+            if "hash_mode" in self.model_fields_set:
+                raise ValueError(
+                    "PROXY_KV_EVENTS needs PROXY_HASH_MODE=exact: events carry vLLM's own "
+                    "block hashes, which only the exact mode computes"
+                )
+            self.hash_mode = "exact"
+        return self
 
     @field_validator("policy")
     @classmethod

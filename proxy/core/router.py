@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 from proxy.core.extract import RoutingKey
 from proxy.core.hashing import BlockHasher, Namespace
+from proxy.core.kv_view import PreciseMatcher
 from proxy.core.policy import Candidate, Decision, Policy
 from proxy.core.prefix_index import BRANCHING, REQUEST_END, PrefixIndex
 
@@ -41,6 +42,8 @@ class Router:
         self.policy = policy
         self._epochs: OrderedDict[str, int] = OrderedDict()
         self._next_epoch = 1
+        # Set when PROXY_KV_EVENTS is on: scores replicas by the blocks they report (kv_view.py).
+        self.precise: PreciseMatcher | None = None
 
     @property
     def block_size(self) -> int:
@@ -102,7 +105,15 @@ class Router:
         blocks = self.block_keys(key, lora_path)
         # vLLM always recomputes the last prompt token, so at most (len-1)//bs blocks can hit.
         matchable = blocks[: max(0, (key.length - 1) // self.block_size)]
-        matches, common = self.matches(matchable, [r for r, _ in loads])
+        # Text prompts without a tokenizer hash approximately: only token ids match vLLM's keys.
+        precise = self.precise if key.tokens is not None else None
+        replicas = [r for r, _ in loads]
+        if precise is None:
+            matches, common = self.matches(matchable, replicas)
+        else:
+            matches, common = precise.matches(
+                self.index, matchable, self._event_keys(key, lora_path, matchable), replicas
+            )
         bs = self.block_size
         decision = self.policy.choose(
             [
@@ -111,7 +122,19 @@ class Router:
             ]
         )
         self.index.record(blocks, decision.replica)
-        return Decision(decision.replica, decision.outcome, decision.matched_blocks, tuple(blocks))
+        result = Decision(
+            decision.replica, decision.outcome, decision.matched_blocks, tuple(blocks)
+        )
+        if precise is not None:
+            precise.routed(result, result.replica)
+        return result
+
+    def _event_keys(self, key: RoutingKey, lora_path: str | None, blocks: list[int]) -> list[int]:
+        """``blocks`` as vLLM keys them: the index keys, unless a purge epoch is mixed in."""
+        if not self._epochs.get(key.model) or key.tokens is None:
+            return blocks
+        ns = Namespace(key.model, lora_path, key.cache_salt, 0)
+        return self.hasher.hash_tokens(key.tokens, ns)[: len(blocks)]
 
     def record_completion(
         self,

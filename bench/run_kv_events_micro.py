@@ -1,0 +1,172 @@
+"""CPU cost of precise routing (PROXY_KV_EVENTS), per event and per request, and its memory.
+
+    python -m bench.run_kv_events_micro            # prints a markdown table
+
+Per event: decoding one scheduler step's batch (msgpack) and applying it to a replica's view,
+the work the subscriber does per message, divided by the events in it. Per request: what routing
+adds -- the exact vLLM block hashes the events require (vs the default fast hashes) and the
+precise match over the views (vs the index's own match) -- plus the one regex over the answer
+that checks the prediction. All timings are measured side by side in this one process; compare
+the ratios, not the absolute figures with another run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+import tracemalloc
+from collections.abc import Callable
+
+import msgpack
+
+from proxy.core.extract import RoutingKey
+from proxy.core.hashing import FastHasher, Namespace, VllmHasher
+from proxy.core.kv_view import PreciseMatcher, ReplicaView
+from proxy.core.policy import PrefixAffinity
+from proxy.core.prefix_index import PrefixIndex
+from proxy.core.router import Router
+from proxy.kv_events import decode
+
+BLOCK = 16
+
+
+def per_call_us(fn: Callable[[], object], min_s: float = 0.3) -> float:
+    """Best of 9 rounds of the mean over enough calls to take ``min_s`` (the best round is the
+    one least disturbed by other work on a shared machine)."""
+    n, elapsed = 1, 0.0
+    while elapsed < min_s / 9:
+        n *= 2
+        t0 = time.process_time()
+        for _ in range(n):
+            fn()
+        elapsed = time.process_time() - t0
+    best = float("inf")
+    for _ in range(9):
+        t0 = time.process_time()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.process_time() - t0) / n)
+    return best * 1e6
+
+
+def stored_event(rng: random.Random, blocks: int) -> dict[str, object]:
+    return {"type": "BlockStored", "block_hashes": [rng.getrandbits(64) for _ in range(blocks)],
+            "parent_block_hash": rng.getrandbits(64),
+            "token_ids": [rng.randrange(151_000) for _ in range(blocks * BLOCK)],
+            "block_size": BLOCK, "lora_id": 1, "medium": "GPU", "lora_name": "trl-policy-v7",
+            "extra_keys": [["trl-policy-v7"]] * blocks}  # fmt: skip
+
+
+def event_costs(rng: random.Random) -> list[tuple[str, float]]:
+    """A decode step (one block for each of 64 running sequences, plus 8 evictions) and a
+    prefill step (8 new 1,024-token prompts: 64 blocks each)."""
+    rows = []
+    cases = {
+        "decode step: 64 x BlockStored(1 block) + 8 x BlockRemoved": [
+            *(stored_event(rng, 1) for _ in range(64)),
+            *(
+                {"type": "BlockRemoved", "block_hashes": [rng.getrandbits(64)], "medium": "GPU"}
+                for _ in range(8)
+            ),
+        ],
+        "prefill step: 8 x BlockStored(64 blocks)": [stored_event(rng, 64) for _ in range(8)],
+    }
+    for name, events in cases.items():
+        payload = msgpack.packb([time.time(), events, 0])
+        view = ReplicaView(1 << 20)
+        view.apply(0, [0.0, [], 0])
+        seq = [1]
+
+        def step(payload: bytes = payload, view: ReplicaView = view, seq: list[int] = seq) -> None:
+            view.apply(seq[0], decode(payload))
+            seq[0] += 1
+
+        total = per_call_us(step)
+        rows.append((f"{name}: per batch ({len(payload) / 1024:.0f} KiB)", total))
+        rows.append((f"{name}: per event", total / len(events)))
+    return rows
+
+
+def request_costs(rng: random.Random, prompt_tokens: int) -> list[tuple[str, float]]:
+    tokens = [rng.randrange(151_000) for _ in range(prompt_tokens)]
+    ns = Namespace("trl-policy-v7", "/adapters/trl-policy-v7")
+    fast, exact = FastHasher(BLOCK), VllmHasher(BLOCK, "sha256")
+    keys = exact.hash_tokens(tokens, ns)
+    matchable = keys[: (prompt_tokens - 1) // BLOCK]
+    index = PrefixIndex(1 << 19)
+    router = Router(exact, index, PrefixAffinity(8))
+    for r in range(4):
+        index.record(keys[: len(keys) // (r + 1)], r)
+    views = {r: ReplicaView() for r in range(4)}
+    for r, view in views.items():
+        view.apply(0, [0.0, [{"type": "BlockStored", "block_hashes": keys[: len(keys) >> r]}]])
+        # A realistic view: ~100k other blocks cached on the replica.
+        others = [rng.getrandbits(64) for _ in range(100_000)]
+        view.apply(1, [0.0, [{"type": "BlockStored", "block_hashes": others}]])
+    matcher = PreciseMatcher(views)
+    replicas = list(range(4))
+    body = (
+        b'{"id":"cmpl-1","choices":[{"index":0,"text":"...","token_ids":['
+        + b",".join(b"%d" % t for t in tokens[:600])
+        + b']}],"usage":{"prompt_tokens":%d,"total_tokens":%d,"completion_tokens":600,'
+        b'"prompt_tokens_details":{"cached_tokens":%d}}}' % (prompt_tokens, prompt_tokens, 512)
+    )
+    from proxy.kv_events import _CACHED_TOKENS
+
+    key = RoutingKey("trl-policy-v7", tokens, None, None, False, 1)
+    loads = [(r, 0.0) for r in replicas]
+    plain = Router(exact, PrefixIndex(1 << 19), PrefixAffinity(8))
+    precise = Router(exact, PrefixIndex(1 << 19), PrefixAffinity(8))
+    precise.precise = PreciseMatcher(views)
+    return [
+        (f"{prompt_tokens}-token prompt: fast hashes (default mode)", per_call_us(
+            lambda: fast.hash_tokens(tokens, ns))),
+        (f"{prompt_tokens}-token prompt: exact vLLM hashes (sha256, needed by events)",
+         per_call_us(lambda: exact.hash_tokens(tokens, ns))),
+        (f"{prompt_tokens}-token prompt: index match (Router.specific_matches)", per_call_us(
+            lambda: router.specific_matches(matchable, replicas))),
+        (f"{prompt_tokens}-token prompt: precise match over 4 live views", per_call_us(
+            lambda: matcher.specific_matches(index, matchable, matchable, replicas))),
+        (f"{prompt_tokens}-token prompt: whole route(), exact, index only", per_call_us(
+            lambda: plain.route(key, loads))),
+        (f"{prompt_tokens}-token prompt: whole route(), exact, 4 live views", per_call_us(
+            lambda: precise.route(key, loads))),
+        ("answer check: cached_tokens regex over a 600-token answer", per_call_us(
+            lambda: _CACHED_TOKENS.search(body))),
+    ]  # fmt: skip
+
+
+def view_bytes_per_block(n: int = 200_000) -> float:
+    """A view's memory per block: its dict slot plus the key's int object (each decoded key
+    is a fresh int)."""
+    rng = random.Random(3)
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    view = ReplicaView(n)
+    keys = [rng.getrandbits(64) | 1 << 63 for _ in range(n)]
+    view.apply(0, [0.0, [{"type": "BlockStored", "block_hashes": keys}]])
+    del keys  # the view now holds the only references to the key objects
+    used = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    return used / len(view)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(
+        prog="python -m bench.run_kv_events_micro", description=__doc__
+    ).parse_args(argv)
+    rng = random.Random(0)
+    rows = event_costs(rng)
+    for n in (512, 4096):
+        rows += request_costs(rng, n)
+    print("| what | CPU us |")
+    print("|---|---:|")
+    for name, us in rows:
+        print(f"| {name} | {us:.1f} |")
+    print(f"\nview memory: {view_bytes_per_block():.0f} bytes per cached block (tracemalloc)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

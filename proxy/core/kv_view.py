@@ -1,0 +1,463 @@
+"""What each replica really holds, from vLLM's KV-cache events (pure: no I/O, no asyncio, no zmq).
+
+vLLM publishes one batch per scheduler step: ``BlockStored`` (block keys it just cached),
+``BlockRemoved`` (evicted) and ``AllBlocksCleared`` (a prefix-cache reset, which ``/pause`` does
+unless ``clear_cache=false``), numbered by a per-publisher sequence that starts at 0. Block keys
+are the low 64 bits of vLLM's own block digests, which ``proxy.core.hashing.VllmHasher`` computes
+bit for bit, adapter (name, path) included -- so a request's keys can be looked up directly.
+
+``ReplicaView`` keeps one replica's set of cached keys and decides, from sequence numbers alone,
+whether that set is the truth (``live``) or not. ``PreciseMatcher`` turns the views into the
+same per-replica "specific prefix" lengths the router computes from its own index, so the policy
+is unchanged: a replica whose view is live is scored by what it holds, every other replica by
+what the proxy sent it (today's index), per replica.
+
+Trust. Every field of a batch is untrusted input: a batch that does not decode to the documented
+shape is counted as malformed and skipped, never raised. Because a skipped batch may have held a
+removal or a reset, the view then stops being trusted until the next resynchronisation point.
+
+Resynchronisation points (where the view is known complete again): sequence 0 (a publisher that
+just started has an empty cache), ``AllBlocksCleared``, or a replay that fills a gap exactly.
+TRL pauses with a cache reset at every weight sync, so a replica whose view was dropped is back
+on the precise path within one sync interval even without a replay endpoint.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.core.prefix_index import BRANCHING, REQUEST_END, PrefixIndex
+
+_MASK64 = (1 << 64) - 1
+
+# One replica's cache: an H100-80GB serving the recipe's 1.5B model holds ~140k blocks of 16
+# tokens (bench/simulator.py sizes it). 2**18 = 262,144 keys leaves room for a 2x larger cache;
+# measured 88 bytes per key (bench/run_kv_events_micro.py), ~23 MB per replica when full.
+DEFAULT_VIEW_CAPACITY = 262_144
+# Events lag routing: a request's blocks are reported once vLLM schedules it, while the rest of its
+# GRPO group arrives within milliseconds. Blocks the proxy just sent to a replica therefore count
+# as held until the replica reports them stored (or removed), or for at most PENDING_TTL_S: the
+# time a request may wait in a busy replica's queue before it is scheduled. The recipe's
+# rollouts take ~4-30 s end to end; 30 s bounds the staleness of a claim nothing confirmed.
+PENDING_TTL_S = 30.0
+# Blocks awaiting confirmation per replica: a few hundred requests in flight x up to 256 blocks.
+MAX_PENDING_BLOCKS = 65_536
+# Predictions awaiting the replica's answer (one per routed request in flight). TRL keeps at most
+# a few hundred rollouts in flight; 65,536 means only a leak could ever push one out.
+MAX_PENDING_PREDICTIONS = 65_536
+
+STORED = "BlockStored"
+REMOVED = "BlockRemoved"
+CLEARED = "AllBlocksCleared"
+# Only blocks in accelerator memory serve prefix hits for routing; vLLM tags them "GPU" (or omits
+# the field on older versions). Offloaded tiers ("CPU", connectors) are ignored.
+ROUTED_MEDIA = (None, "GPU")
+
+
+class MalformedBatch(ValueError):
+    """A batch that does not have vLLM's documented shape (the message says where)."""
+
+
+@dataclass(frozen=True, slots=True)
+class KvEvent:
+    kind: str  # STORED, REMOVED or CLEARED
+    keys: tuple[int, ...] = ()
+
+
+def _block_key(value: Any) -> int:
+    """A block key as the view stores it: vLLM sends uint64 ints (the default) or, with
+    ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``, the digest bytes (low 64 bits, big-endian)."""
+    if isinstance(value, bool):
+        raise MalformedBatch("a block hash is a boolean")
+    if isinstance(value, int):
+        if not 0 <= value <= _MASK64:
+            raise MalformedBatch(f"block hash {value} is not a uint64")
+        return value
+    if isinstance(value, bytes | bytearray) and len(value) >= 8:
+        return int.from_bytes(value, "big") & _MASK64
+    raise MalformedBatch(f"a block hash is a {type(value).__name__}, not an int")
+
+
+def _keys(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list | tuple):
+        raise MalformedBatch("block_hashes is not a list")
+    return tuple(_block_key(v) for v in value)
+
+
+# Positional layouts of older vLLM versions (array_like events: tag first, then the fields).
+_POSITIONAL = {STORED: ("block_hashes", "parent_block_hash", "token_ids", "block_size",
+                        "lora_id", "medium"),
+               REMOVED: ("block_hashes", "medium"),
+               CLEARED: ()}  # fmt: skip
+
+
+def parse_event(raw: Any) -> KvEvent | None:
+    """One decoded event, or None for a well-formed event of a kind routing does not use
+    (an unknown type from a newer vLLM, another storage medium)."""
+    if isinstance(raw, dict):
+        kind = raw.get("type")
+        fields = raw
+    elif isinstance(raw, list | tuple) and raw and isinstance(raw[0], str):
+        kind = raw[0]
+        names = _POSITIONAL.get(kind, ())
+        fields = dict(zip(names, raw[1:], strict=False))
+    else:
+        raise MalformedBatch(f"an event is a {type(raw).__name__}, not a map")
+    if not isinstance(kind, str):
+        raise MalformedBatch("an event has no string 'type'")
+    if kind == CLEARED:
+        return KvEvent(CLEARED)
+    if kind not in (STORED, REMOVED):
+        return None
+    if "block_hashes" not in fields:
+        raise MalformedBatch(f"{kind} without block_hashes")
+    keys = _keys(fields["block_hashes"])
+    if fields.get("medium") not in ROUTED_MEDIA:
+        return None
+    return KvEvent(kind, keys)
+
+
+def root_block(payload: Any) -> tuple[list[int], int] | None:
+    """From a decoded batch, the token ids and reported key of a block that starts a base-model
+    chain (no parent, no LoRA, no salt or other extra keys): the one block whose key depends on
+    nothing but the replicas' hash algorithm and seed, so the proxy can check its own hashes
+    against it. None when the batch has no such block (or is malformed)."""
+    events = payload.get("events") if isinstance(payload, dict) else None
+    if isinstance(payload, list | tuple) and len(payload) >= 2:
+        events = payload[1]
+    if not isinstance(events, list | tuple):
+        return None
+    for e in events:
+        if not isinstance(e, dict) or e.get("type") != STORED:
+            continue
+        if e.get("parent_block_hash") is not None or e.get("lora_name") or e.get("lora_id"):
+            continue
+        extra, hashes, tokens, size = (
+            e.get("extra_keys"), e.get("block_hashes"), e.get("token_ids"), e.get("block_size"),
+        )  # fmt: skip
+        if extra is not None and (not isinstance(extra, list) or not extra or extra[0]):
+            continue
+        if not (isinstance(hashes, list) and hashes and isinstance(size, int) and size > 0):
+            continue
+        if not isinstance(tokens, list) or len(tokens) < size:
+            continue
+        first = tokens[:size]
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in first):
+            continue
+        try:
+            return first, _block_key(hashes[0])
+        except MalformedBatch:
+            continue
+    return None
+
+
+def parse_batch(payload: Any) -> list[KvEvent]:
+    """The events of one decoded batch: ``[ts, events, dp_rank]`` (vLLM <= 0.33, array-like)
+    or ``{"ts", "events", "data_parallel_rank"}`` (map-encoded). Raises MalformedBatch."""
+    if isinstance(payload, dict):
+        events = payload.get("events")
+    elif isinstance(payload, list | tuple) and len(payload) >= 2:
+        events = payload[1]
+    else:
+        raise MalformedBatch(f"a batch is a {type(payload).__name__}, not [ts, events, rank]")
+    if not isinstance(events, list | tuple):
+        raise MalformedBatch("a batch's events are not a list")
+    parsed = (parse_event(e) for e in events)
+    return [e for e in parsed if e is not None]
+
+
+class ReplicaView:
+    """One replica's cached block keys, and whether they are the whole truth.
+
+    The keys are an insertion-ordered dict used as a set: when a (misconfigured) replica reports
+    more than ``capacity`` blocks, the oldest-stored are forgotten first. A forgotten key only
+    makes the view under-report -- the replica is then scored lower than it deserves, never
+    higher -- so the bound costs accuracy, never correctness of the set it does report.
+    """
+
+    def __init__(self, capacity: int = DEFAULT_VIEW_CAPACITY) -> None:
+        if capacity < 1:
+            raise ValueError("view capacity must be >= 1 block")
+        self.capacity = capacity
+        self.blocks: dict[int, None] = {}
+        # Sent here, not yet reported stored: key -> deadline (see PENDING_TTL_S).
+        self.pending: OrderedDict[int, float] = OrderedDict()
+        self.live = False  # the keys are exactly what the replica holds
+        self.next_seq: int | None = None  # the sequence number expected next
+        self.batches = 0
+        self.events = 0
+        self.gaps = 0
+        self.malformed = 0
+        self.resyncs = 0
+        self.dropped = 0  # times the view stopped being trusted
+        self.overflow = 0  # keys forgotten to respect ``capacity``
+        # Whether the proxy's exact hashes reproduce this replica's keys (checked on a base-model
+        # root block, see ``root_block``): None until checked. A replica whose keys differ (wrong
+        # PROXY_VLLM_HASH_SEED or algorithm) would never match: it is routed on the index.
+        self.hashes_match: bool | None = None
+
+    @property
+    def usable(self) -> bool:
+        """Routing may score this replica by its view."""
+        return self.live and self.hashes_match is not False
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    # -- sequence -------------------------------------------------------------------------
+
+    def gap_before(self, seq: int) -> int | None:
+        """Check ``seq`` before applying its batch. None: apply it now. Otherwise the batches
+        from the returned sequence number up to ``seq`` are missing: replay them (``apply``
+        each, in order), then ``close_gap(seq)``, then ``apply`` this batch."""
+        expected = self.next_seq
+        if seq == 0:
+            self.next_seq = 0  # a new publisher (``apply`` resets the view)
+            return None
+        if expected is None:
+            self.next_seq = 0  # joined late: everything from the publisher's start is missing
+            return 0
+        if seq == expected:
+            return None
+        if seq < expected:
+            # Numbers went backwards without a 0: a restarted publisher whose start was missed.
+            self.drop()
+            self.next_seq = 0
+            return 0
+        self.gaps += 1
+        return expected
+
+    def close_gap(self, seq: int) -> bool:
+        """After a replay attempt: True when it filled the gap up to ``seq`` exactly; otherwise
+        the view is dropped (it may have missed a removal or a reset) and numbering resumes at
+        ``seq``."""
+        if self.next_seq == seq:
+            return True
+        self.drop()
+        self.next_seq = seq
+        return False
+
+    # -- events ---------------------------------------------------------------------------
+
+    def apply(self, seq: int, payload: Any) -> bool:
+        """Apply the batch numbered ``seq`` if it is the one expected (replays may overlap what
+        was already applied). A malformed batch is counted, skipped, and drops the view."""
+        if self.next_seq is not None and seq != self.next_seq:
+            return False
+        self.next_seq = seq + 1
+        self.batches += 1
+        if seq == 0:
+            # A publisher at 0 just started: its cache is empty whatever came before.
+            self._resync()
+        try:
+            events = parse_batch(payload)
+        except MalformedBatch:
+            self.malformed += 1
+            self.drop()
+            return True
+        blocks, pending = self.blocks, self.pending
+        for event in events:
+            self.events += 1
+            if event.kind == STORED:
+                # Idempotent: vLLM's "full" report mode re-reports hits.
+                for key in event.keys:
+                    blocks[key] = None
+                    if pending:
+                        pending.pop(key, None)
+            elif event.kind == REMOVED:
+                for key in event.keys:
+                    blocks.pop(key, None)
+                    if pending:
+                        pending.pop(key, None)
+            else:
+                self._resync()
+                blocks, pending = self.blocks, self.pending
+        overflow = len(blocks) - self.capacity
+        if overflow > 0:
+            for key in list(_first(blocks, overflow)):
+                del blocks[key]
+            self.overflow += overflow
+        return True
+
+    def _resync(self) -> None:
+        self.blocks = {}
+        self.pending = OrderedDict()
+        if not self.live:
+            self.resyncs += 1
+        self.live = True
+
+    def drop(self) -> None:
+        """Stop trusting the view (a gap that could not be replayed, a malformed batch, the
+        replica restarted or left): routing falls back to the index for this replica."""
+        if self.live:
+            self.dropped += 1
+        self.live = False
+        self.blocks = {}
+        self.pending = OrderedDict()
+
+    def forget(self) -> None:
+        """The replica went away (ejected, removed, restarting): start over, wait for seq 0."""
+        self.drop()
+        self.next_seq = None
+
+    # -- lookups --------------------------------------------------------------------------
+
+    def expect(self, keys: Sequence[int], now: float) -> None:
+        """``keys`` were just sent here: count them as held until reported (PENDING_TTL_S)."""
+        pending = self.pending
+        deadline = now + PENDING_TTL_S
+        for key in keys:
+            if key in self.blocks:
+                continue
+            pending[key] = deadline
+            pending.move_to_end(key)
+        while len(pending) > MAX_PENDING_BLOCKS:
+            pending.popitem(last=False)
+
+    def held_prefix(self, keys: Sequence[int], now: float = 0.0) -> int:
+        """How many leading ``keys`` the replica holds or was just sent (vLLM's own hit also
+        stops at the first missing block)."""
+        blocks, pending = self.blocks, self.pending
+        while pending:
+            key, deadline = next(iter(pending.items()))
+            if deadline > now:
+                break
+            del pending[key]
+        n = 0
+        for key in keys:
+            if key not in blocks and key not in pending:
+                break
+            n += 1
+        return n
+
+
+def _first(blocks: dict[int, None], n: int) -> list[int]:
+    out: list[int] = []
+    for key in blocks:
+        if len(out) == n:
+            break
+        out.append(key)
+    return out
+
+
+class PreciseMatcher:
+    """Per-replica specific-prefix lengths with the events view where it is live.
+
+    Same contract and same common-prefix rule as ``Router.specific_matches`` (see router.py's
+    docstring): a block is common when every eligible replica holds it, or when the proxy has
+    seen two different continuations of it that do not end a request there. Holding comes from
+    the replica's live view, else from the index; branching comes from the index, which keeps
+    recording every routed request whichever source scores it. With no live view the result is
+    exactly ``Router.specific_matches`` (a property test checks it).
+
+    It also remembers, per routed decision, how many prompt blocks the chosen replica was
+    expected to hold (``predict``), so the replica's reported hit can be compared with it.
+    """
+
+    def __init__(
+        self, views: dict[int, ReplicaView], clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.views = views
+        self._clock = clock
+        self._keys: Sequence[int] = ()
+        self._reach: dict[int, int] = {}
+        self._live_mask = 0
+        # Ordered: predictions never read (a streamed answer, a failed request) leave oldest
+        # first, in O(1) (a plain dict's front deletions make the next lookup scan).
+        self._pending: OrderedDict[int, tuple[int, bool]] = OrderedDict()
+
+    def live_mask(self, replicas: Sequence[int]) -> int:
+        mask = 0
+        views = self.views
+        for r in replicas:
+            view = views.get(r)
+            if view is not None and view.usable:
+                mask |= 1 << r
+        return mask
+
+    def specific_matches(
+        self,
+        index: PrefixIndex,
+        index_keys: Sequence[int],
+        event_keys: Sequence[int],
+        replicas: Sequence[int],
+    ) -> dict[int, int]:
+        """``index_keys`` key the proxy's index; ``event_keys`` are the same blocks as vLLM
+        keys them (equal unless the adapter name was purged and reused)."""
+        return self.matches(index, index_keys, event_keys, replicas)[0]
+
+    def matches(
+        self,
+        index: PrefixIndex,
+        index_keys: Sequence[int],
+        event_keys: Sequence[int],
+        replicas: Sequence[int],
+    ) -> tuple[dict[int, int], int]:
+        """(specific matches per replica, depth of the common preamble in blocks), as
+        ``Router.matches`` answers from the index alone."""
+        eligible = 0
+        for r in replicas:
+            eligible |= 1 << r
+        live = self.live_mask(replicas)
+        reach: dict[int, int] = {}
+        now = self._clock()
+        for r in replicas:
+            if live >> r & 1:
+                reach[r] = self.views[r].held_prefix(event_keys, now)
+        values = index.lookup(index_keys)
+        holders_of = index.holders
+        fallback = eligible & ~live
+        alive = fallback  # fallback replicas still holding every block so far
+        # Live replicas by how far they hold the prompt: each drops out past its own reach.
+        by_reach = sorted((n, r) for r, n in reach.items())
+        live_alive = live
+        next_out = 0
+        common = 0
+        known = len(values)
+        depth_limit = max(known, by_reach[-1][0]) if by_reach else known
+        for depth in range(1, depth_limit + 1):
+            while next_out < len(by_reach) and by_reach[next_out][0] < depth:
+                live_alive &= ~(1 << by_reach[next_out][1])
+                next_out += 1
+            value = values[depth - 1] if depth <= known else 0
+            held = (holders_of(value) & fallback) | live_alive
+            if held == eligible or value & (BRANCHING | REQUEST_END) == BRANCHING:
+                common = depth
+            dropped = alive & ~held
+            alive &= held
+            while dropped:
+                low = dropped & -dropped
+                reach[low.bit_length() - 1] = depth - 1
+                dropped ^= low
+        while alive:
+            low = alive & -alive
+            reach[low.bit_length() - 1] = depth_limit
+            alive ^= low
+        for r in replicas:
+            reach.setdefault(r, 0)
+        self._reach = reach
+        self._live_mask = live
+        self._keys = event_keys
+        return {r: max(0, d - common) for r, d in reach.items()}, common
+
+    def routed(self, decision: object, replica: int) -> None:
+        """The last ``specific_matches`` request went to ``replica``: its blocks count as held
+        there until its events confirm them, and the prediction is kept for ``outcome``: how
+        many leading blocks ``replica`` was expected to hold, and whether its view was live.
+        Keyed by the decision object's identity: every routed decision is written here when it
+        is made, so a reused id is overwritten before it can be read."""
+        view = self.views.get(replica)
+        if view is not None and view.usable:
+            view.expect(self._keys, self._clock())
+        pending = self._pending
+        if len(pending) >= MAX_PENDING_PREDICTIONS:
+            pending.popitem(last=False)
+        pending[id(decision)] = (self._reach.get(replica, 0), bool(self._live_mask >> replica & 1))
+
+    def outcome(self, decision: object) -> tuple[int, bool] | None:
+        """(expected blocks, from a live view) for ``decision``, forgetting it."""
+        return self._pending.pop(id(decision), None)

@@ -1,0 +1,453 @@
+"""Subscribers to vLLM's KV-cache events: the thin async edge around ``proxy.core.kv_view``.
+
+One ZMQ SUB socket per replica (pyzmq's asyncio sockets on the server's own event loop: no
+thread), connected to the replica's publisher (vLLM binds ``tcp://*:5557`` by default). Each
+message is ``[topic, seq (8 bytes big-endian), msgpack payload]``. A gap in ``seq`` is filled
+from vLLM's replay socket (ROUTER; one DEALER request per gap, answered by every buffered batch
+from the asked sequence number as ``[b"", topic, seq, payload]``, then an end marker with seq
+-1; vLLM after 0.33 drops the topic frame, also accepted) when one is configured;
+otherwise, or when the replay cannot fill it, that replica's view is dropped and routing falls
+back to the index for it until the view resynchronises (kv_view.py says when).
+
+Everything about the events is exported by one collector read at scrape time, so receiving an
+event costs no Prometheus update. The only call on the request path is ``observe`` (one regex
+over the buffered answer), which compares the proxy's expected cached tokens with what the
+replica reports in ``usage.prompt_tokens_details.cached_tokens``.
+
+Needs the ``[kv-events]`` extra (pyzmq, msgpack); imported only when ``PROXY_KV_EVENTS`` is on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import msgpack
+import zmq
+import zmq.asyncio
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from proxy.core.fleet import Fleet, Status
+from proxy.core.hashing import BlockHasher, Namespace
+from proxy.core.kv_view import PreciseMatcher, ReplicaView, root_block
+from proxy.settings import Settings
+
+log = logging.getLogger("rollout_proxy.kv_events")
+
+END_OF_REPLAY = -1
+# A batch is one scheduler step: at most max_num_seqs (256) requests' new blocks with their token
+# ids, a few MB at the recipe's 4,096-token context. 64 MiB refuses only garbage.
+MAX_MESSAGE_BYTES = 64 * 2**20
+# How often the supervisor looks for replicas added, ejected or removed (a fleet change is rare;
+# one second is short next to a replica's ~30 s start-up).
+SUPERVISE_INTERVAL_S = 1.0
+_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+RESULTS = ("exact", "over", "under")
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    events: str
+    replay: str | None
+
+
+def _host_of(url: str) -> str:
+    host = urlsplit(url).hostname or "127.0.0.1"
+    return f"[{host}]" if ":" in host else host
+
+
+def endpoints_for(settings: Settings, index: int, url: str) -> Endpoints | None:
+    """Where replica ``index`` publishes: the explicit list entry, else its URL's host with the
+    configured ports. None when the explicit list has no entry for it (then it falls back)."""
+    if settings.kv_events_endpoints:
+        if index >= len(settings.kv_events_endpoints):
+            return None
+        events, _, replay = settings.kv_events_endpoints[index].partition("|")
+        return Endpoints(events, replay or None)
+    host = _host_of(url)
+    replay_port = settings.kv_events_replay_port
+    return Endpoints(
+        f"tcp://{host}:{settings.kv_events_port}",
+        f"tcp://{host}:{replay_port}" if replay_port else None,
+    )
+
+
+def decode(payload: bytes) -> Any:
+    """The payload as plain Python values; None (which ``apply`` counts as malformed) for
+    anything msgpack refuses. Untrusted input: no exception may escape."""
+    try:
+        return msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True)
+    except Exception:  # any decoding failure is just a malformed batch
+        return None
+
+
+def batch_time(payload: Any) -> float | None:
+    ts = payload.get("ts") if isinstance(payload, dict) else None
+    if isinstance(payload, list) and payload:
+        ts = payload[0]
+    return float(ts) if isinstance(ts, int | float) and not isinstance(ts, bool) else None
+
+
+@dataclass
+class _Tally:
+    """Predicted-vs-reported prefix hits for one source ("events" or "index")."""
+
+    results: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RESULTS, 0))
+    predicted_tokens: int = 0
+    reported_tokens: int = 0
+
+
+class ReplicaSubscriber:
+    """One replica's SUB socket feeding its view."""
+
+    def __init__(
+        self,
+        index: int,
+        endpoints: Endpoints,
+        view: ReplicaView,
+        context: zmq.asyncio.Context,
+        topic: str,
+        replay_timeout_s: float,
+        hasher: Callable[[], BlockHasher] | None = None,
+    ) -> None:
+        self.index = index
+        self._hasher = hasher
+        self.endpoints = endpoints
+        self.view = view
+        self._ctx = context
+        self._topic = topic.encode()
+        self._replay_timeout_s = replay_timeout_s
+        self.lag_s = 0.0
+        self.last_batch_at: float | None = None
+        self.replays = 0
+        self.replay_failures = 0
+        self.bad_frames = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"kv-events-{self.index}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.SUBSCRIBE, self._topic)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.endpoints.events)
+        log.info("replica %d: subscribed to KV events at %s", self.index, self.endpoints.events)
+        try:
+            while True:
+                frames = await sock.recv_multipart()
+                try:
+                    await self.handle(frames)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # a bug here must not end the subscription
+                    log.exception("replica %d: KV event batch failed", self.index)
+                    self.view.drop()
+        finally:
+            sock.close(linger=0)
+
+    async def handle(self, frames: Sequence[bytes]) -> None:
+        if len(frames) != 3 or len(frames[1]) != 8:
+            # Without a sequence number the frame cannot be placed; if it was a batch, the
+            # next one shows the gap.
+            self.bad_frames += 1
+            return
+        seq = int.from_bytes(frames[1], "big")
+        payload = decode(frames[2])
+        view = self.view
+        start = view.gap_before(seq)
+        if start is not None:
+            if self.endpoints.replay is not None:
+                await self._replay(start, seq)
+            if not view.close_gap(seq):
+                log.warning(
+                    "replica %d: KV events %d..%d missing; view dropped until it resyncs",
+                    self.index,
+                    start,
+                    seq - 1,
+                )
+        view.apply(seq, payload)
+        if view.hashes_match is not True and self._hasher is not None:
+            self._check_hashes(payload)
+        now = time.time()
+        ts = batch_time(payload)
+        if ts is not None:
+            self.lag_s = max(0.0, now - ts)
+        self.last_batch_at = now
+
+    def _check_hashes(self, payload: Any) -> None:
+        """Compare a base-model root block's reported key with the proxy's exact hash of its
+        tokens (one sha256; done until the first block that can be checked)."""
+        assert self._hasher is not None
+        root = root_block(payload)
+        if root is None:
+            return
+        tokens, reported = root
+        hasher = self._hasher()
+        if hasher.mode != "exact" or len(tokens) != hasher.block_size:
+            return
+        match = hasher.hash_tokens(tokens, Namespace("")) == [reported]
+        if not match and self.view.hashes_match is None:
+            log.error(
+                "replica %d: its KV-event block hashes differ from the proxy's exact hashes; "
+                "check PROXY_VLLM_HASH_SEED (the replicas' PYTHONHASHSEED) and "
+                "PROXY_VLLM_HASH_ALGO. Routing uses the index for this replica.",
+                self.index,
+            )
+        self.view.hashes_match = match
+
+    async def _replay(self, start: int, until: int) -> None:
+        """Ask the replica's replay socket for batches ``start..until-1`` and apply them."""
+        assert self.endpoints.replay is not None
+        self.replays += 1
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        deadline = time.monotonic() + self._replay_timeout_s
+        try:
+            dealer.connect(self.endpoints.replay)
+            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError
+                frames = await asyncio.wait_for(dealer.recv_multipart(), remaining)
+                # [b"", topic, seq, payload] (vLLM 0.32-0.33) or [b"", seq, payload] (later).
+                if len(frames) not in (3, 4) or len(frames[-2]) != 8:
+                    self.bad_frames += 1
+                    continue
+                seq = int.from_bytes(frames[-2], "big", signed=True)
+                if seq == END_OF_REPLAY:
+                    return
+                if start <= seq < until:
+                    self.view.apply(seq, decode(frames[-1]))
+        except TimeoutError:
+            self.replay_failures += 1
+            log.warning("replica %d: no KV event replay from %s", self.index, self.endpoints.replay)
+        finally:
+            dealer.close(linger=0)
+
+
+class KvEvents:
+    """Every replica's view, their subscribers, and the hit predictions to check."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        fleet: Fleet,
+        block_size: Callable[[], int],
+        hasher: Callable[[], BlockHasher] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.fleet = fleet
+        self._block_size = block_size
+        self._hasher = hasher
+        self.views: dict[int, ReplicaView] = {}
+        self.matcher = PreciseMatcher(self.views)
+        self.subscribers: dict[int, ReplicaSubscriber] = {}
+        self.tallies = {"events": _Tally(), "index": _Tally()}
+        self.unreported = 0  # answers without usage.prompt_tokens_details.cached_tokens
+        self._ctx: zmq.asyncio.Context | None = None
+        self._supervisor: asyncio.Task[None] | None = None
+
+    def register(self, registry: CollectorRegistry) -> None:
+        registry.register(KvEventsCollector(self))
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._ctx = zmq.asyncio.Context()
+        self.supervise()
+        self._supervisor = asyncio.create_task(self._supervise_loop(), name="kv-events")
+
+    async def stop(self) -> None:
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._supervisor
+        for sub in list(self.subscribers.values()):
+            await sub.stop()
+        self.subscribers.clear()
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    async def _supervise_loop(self) -> None:
+        while True:
+            await asyncio.sleep(SUPERVISE_INTERVAL_S)
+            self.supervise()
+
+    def supervise(self) -> None:
+        """Subscribe to replicas not yet followed; forget the view of an ejected or removed one
+        (it may be restarting: its next batches start a new numbering)."""
+        assert self._ctx is not None
+        s = self.settings
+        for replica in self.fleet.replicas:
+            i = replica.index
+            if replica.status in (Status.EJECTED, Status.REMOVED):
+                view = self.views.get(i)
+                if view is not None and view.next_seq is not None:
+                    view.forget()
+                continue
+            if i in self.subscribers:
+                continue
+            ends = endpoints_for(s, i, replica.url)
+            if ends is None:
+                continue
+            view = self.views.setdefault(i, ReplicaView(s.kv_events_view_capacity))
+            sub = ReplicaSubscriber(
+                i,
+                ends,
+                view,
+                self._ctx,
+                s.kv_events_topic,
+                s.kv_events_replay_timeout_s,
+                self._hasher,
+            )
+            self.subscribers[i] = sub
+            sub.start()
+
+    # -- the one call on the request path -------------------------------------------------
+
+    def observe(self, decision: object, body: bytes) -> None:
+        """Compare the cached tokens predicted for ``decision`` with the replica's report."""
+        pending = self.matcher.outcome(decision)
+        if pending is None:
+            return
+        match = _CACHED_TOKENS.search(body)
+        if match is None:
+            self.unreported += 1
+            return
+        blocks, live = pending
+        expected = blocks * self._block_size()
+        reported = int(match.group(1))
+        tally = self.tallies["events" if live else "index"]
+        result = "exact" if expected == reported else ("over" if expected > reported else "under")
+        tally.results[result] += 1
+        tally.predicted_tokens += expected
+        tally.reported_tokens += reported
+
+    # -- introspection --------------------------------------------------------------------
+
+    def snapshot(self, with_blocks: bool = False) -> dict[str, Any]:
+        """Per-replica state for /admin/kv_events (``with_blocks``: the keys too, sorted)."""
+        out: dict[str, Any] = {}
+        for i, view in sorted(self.views.items()):
+            sub = self.subscribers.get(i)
+            out[str(i)] = {
+                "endpoint": sub.endpoints.events if sub else None,
+                "replay_endpoint": sub.endpoints.replay if sub else None,
+                "live": view.live,
+                "hashes_match": view.hashes_match,
+                "blocks": len(view),
+                "next_seq": view.next_seq,
+                "batches": view.batches,
+                "events": view.events,
+                "gaps": view.gaps,
+                "malformed": view.malformed + (sub.bad_frames if sub else 0),
+                "dropped": view.dropped,
+                "resyncs": view.resyncs,
+                "overflow": view.overflow,
+                "replays": sub.replays if sub else 0,
+                "replay_failures": sub.replay_failures if sub else 0,
+                "lag_s": round(sub.lag_s, 6) if sub else None,
+            }
+            if with_blocks:
+                out[str(i)]["block_keys"] = sorted(view.blocks)
+        return out
+
+
+class KvEventsCollector(Collector):
+    """Reads the views at scrape time (zero cost per event)."""
+
+    def __init__(self, kv: KvEvents) -> None:
+        self.kv = kv
+
+    def collect(self) -> Iterator[Metric]:
+        p = "rollout_proxy_kv_events_"
+        counters = {
+            "batches": "Event batches received (one per replica scheduler step).",
+            "events": "KV-cache events applied (BlockStored, BlockRemoved, AllBlocksCleared).",
+            "gaps": "Sequence gaps seen (missed batches).",
+            "malformed": "Batches or frames skipped as malformed.",
+            "dropped": "Times a replica's view stopped being trusted (routing fell back).",
+            "replay_failures": "Replays that got no answer in time.",
+        }
+        families = {
+            n: CounterMetricFamily(p + n, h, labels=["replica"]) for n, h in counters.items()
+        }
+        live = GaugeMetricFamily(
+            p + "view_live",
+            "1 when routing uses the replica's events, 0 when it falls back.",
+            labels=["replica"],
+        )
+        blocks = GaugeMetricFamily(
+            p + "view_blocks", "Blocks the replica reports cached.", labels=["replica"]
+        )
+        lag = GaugeMetricFamily(
+            p + "lag_seconds",
+            "Receive time minus the batch's own timestamp (last batch).",
+            labels=["replica"],
+        )
+        for i, view in sorted(self.kv.views.items()):
+            label = [str(i)]
+            sub = self.kv.subscribers.get(i)
+            values = {
+                "batches": view.batches,
+                "events": view.events,
+                "gaps": view.gaps,
+                "malformed": view.malformed + (sub.bad_frames if sub else 0),
+                "dropped": view.dropped,
+                "replay_failures": sub.replay_failures if sub else 0,
+            }
+            for name, value in values.items():
+                families[name].add_metric(label, value)
+            live.add_metric(label, 1.0 if view.usable else 0.0)
+            blocks.add_metric(label, len(view))
+            lag.add_metric(label, sub.lag_s if sub else 0.0)
+        yield from families.values()
+        yield from (live, blocks, lag)
+        yield from self._predictions()
+
+    def _predictions(self) -> Iterator[Metric]:
+        p = "rollout_proxy_kv_prediction_"
+        results = CounterMetricFamily(
+            p + "requests",
+            "Routed requests by whether the expected cached tokens equal the replica's reported "
+            "usage.prompt_tokens_details.cached_tokens (exact), exceed it (over) or fall short "
+            "(under); source: the chosen replica's live events view or the index.",
+            labels=["source", "result"],
+        )
+        predicted = CounterMetricFamily(
+            p + "predicted_tokens", "Cached prompt tokens the proxy expected.", labels=["source"]
+        )
+        reported = CounterMetricFamily(
+            p + "reported_tokens", "Cached prompt tokens the replicas reported.", labels=["source"]
+        )
+        for source, tally in self.kv.tallies.items():
+            for result, n in tally.results.items():
+                results.add_metric([source, result], n)
+            predicted.add_metric([source], tally.predicted_tokens)
+            reported.add_metric([source], tally.reported_tokens)
+        unreported = CounterMetricFamily(
+            p + "unreported",
+            "Answers without cached_tokens (start vLLM with --enable-prompt-tokens-details).",
+        )
+        unreported.add_metric([], self.kv.unreported)
+        yield from (results, predicted, reported, unreported)

