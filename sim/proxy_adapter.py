@@ -117,7 +117,7 @@ class ProxyUnderTest:
             return self._error(exc)
         payload = bytes(response.body) if hasattr(response, "body") else b""
         try:
-            body = orjson.loads(payload) if payload else None
+            answered = orjson.loads(payload) if payload else None
         except orjson.JSONDecodeError:
-            body = None
-        return Answer(response.status_code, body, relayed=True)
+            answered = None
+        return Answer(response.status_code, answered, relayed=True)
