@@ -27,9 +27,10 @@ from sim.replica import SimTransport
 
 @dataclass
 class Answer:
-    status: int
+    status: int  # 0: the connection was dropped (the proxy restarted under the request)
     body: Any
     message: str = ""
+    relayed: bool = False  # a replica's own answer passed through, not the proxy's
 
 
 class ProxyUnderTest:
@@ -111,6 +112,12 @@ class ProxyUnderTest:
                 "completions", "/v1/completions", raw, key, request_id, time.perf_counter()
             )
         except Exception as exc:
+            if self.rt is not rt:  # the process this request was in went away: a reset
+                return Answer(0, None, "connection reset: the proxy restarted")
             return self._error(exc)
         payload = bytes(response.body) if hasattr(response, "body") else b""
-        return Answer(response.status_code, orjson.loads(payload) if payload else None)
+        try:
+            answered = orjson.loads(payload) if payload else None
+        except orjson.JSONDecodeError:
+            answered = None
+        return Answer(response.status_code, answered, relayed=True)

@@ -85,8 +85,11 @@ class SimReplica:
 
     async def handle(self, method: str, path: str, query: str, body: Any) -> httpx.Response:
         f = self.faults
+        incarnation = self.incarnation
         if f.slow_s:
             await asyncio.sleep(f.slow_s)
+            if self.incarnation != incarnation:  # it crashed meanwhile: the connection is gone
+                raise httpx.RemoteProtocolError("connection reset by peer")
         if f.wedged or (f.probe_hang and method == "GET"):
             await self.world.forever()
         if path in f.missing:
