@@ -34,6 +34,7 @@ from proxy.core.fleet import Fleet, Replica, Status, adapter_version
 from proxy.core.router import Router
 from proxy.errors import UpstreamTimeout, UpstreamUnavailable
 from proxy.metrics import Metrics
+from proxy.security.redaction import scrub, settings_secrets
 from proxy.settings import Settings
 from proxy.upstream import ReplicaUnreachable, Upstream
 
@@ -144,12 +145,16 @@ def detail_of(response: httpx.Response) -> str:
     return text[:MAX_DETAIL_CHARS]
 
 
-def _classify(action: Action, response: httpx.Response) -> tuple[str, str]:
-    """(result, detail) of one answered call."""
+def _classify(
+    action: Action, response: httpx.Response, secrets: tuple[str, ...] = ()
+) -> tuple[str, str]:
+    """(result, detail) of one answered call. A replica (or a gateway before it) may quote our
+    token back in its error: the detail is scrubbed here, before any log line, ``/admin/fleet``
+    entry or reply can carry it."""
     status = response.status_code
     if 200 <= status < 300:
         return "ok", ""
-    detail = detail_of(response)
+    detail = scrub(detail_of(response), secrets)
     lowered = detail.lower()
     if action.kind == "load":
         if status == 404 and "no adapter found" in lowered:
@@ -184,6 +189,7 @@ class Reconciler:
         self.clock = clock or (lambda: asyncio.get_running_loop().time())
         self.sleep = sleep
         self._locks: dict[int, asyncio.Lock] = {}
+        self._secrets = tuple(settings_secrets(settings))
 
     def lock(self, replica: Replica) -> asyncio.Lock:
         lock = self._locks.get(replica.index)
@@ -272,7 +278,7 @@ class Reconciler:
                 return Outcome(replica.index, "unreachable", None, exc.message, 1, action.kind)
             finally:
                 replica.generation += 1
-            result, detail = _classify(action, response)
+            result, detail = _classify(action, response, self._secrets)
             believed = replica.adapters.get(action.name)
             if result == "already_loaded" and believed != action.path:
                 # Success only if it is this very adapter (a repeated publish, a proxy restart):

@@ -105,12 +105,16 @@ def test_token_appears_in_no_log_and_no_response(caplog, transport: str) -> None
         assert call("POST", "/pause", params={"mode": "keep"}).status_code == 200
         load = {"lora_name": "trl-policy-v1", "lora_path": "/bucket/trl-policy-v1"}
         assert call("POST", "/v1/load_lora_adapter", json=load).status_code == 200
-        # A replica (or a gateway in front of it) that quotes the token back in an error.
-        fakes[2].load_failure = (500, f"invalid credentials: Bearer {token} (token={token})")
+        # Replicas (or a gateway in front of them) that quote the token back in an error. One
+        # failing replica is ejected and the load still answers 200 (issue 11's rule), so
+        # every replica fails here and the refusal quotes each of them.
+        for f in fakes:
+            f.load_failure = (500, f"invalid credentials: Bearer {token} (token={token})")
         load2 = {"lora_name": "trl-policy-v2", "lora_path": "/bucket/trl-policy-v2"}
         failed = call("POST", "/v1/load_lora_adapter", json=load2)
-        assert failed.status_code == 500 and "<redacted>" in failed.text
-        fakes[2].load_failure = None
+        assert failed.status_code >= 500 and "<redacted>" in failed.text, failed.text
+        for f in fakes:
+            f.load_failure = None
         call("POST", "/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": "/etc/x"})
         assert call("POST", "/resume").status_code == 200
         data = {"authorization": f"Bearer {DATA_KEY}"}
@@ -162,7 +166,7 @@ def test_token_appears_in_no_log_and_no_response(caplog, transport: str) -> None
     assert all(seen["authorization"] == f"Bearer {token}" for f in fakes for seen in f.seen_headers)
     assert sum(len(f.seen_headers) for f in fakes) >= 10
     codes = {code for _, code in call.statuses}
-    assert {200, 400, 401, 403, 404, 500, 501}.issubset(codes), sorted(codes)
+    assert {200, 400, 401, 403, 404, 501, 502}.issubset(codes), sorted(codes)
     assert codes & {502, 503, 504}, sorted(codes)
     assert "rollout_proxy_requests_total" in metrics
 
