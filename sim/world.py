@@ -479,14 +479,21 @@ class World:
 def run_seed(seed: int, replicas: int = 3, mutate: Callable[[World], None] | None = None) -> Result:
     from sim.loop import run
 
-    logging.getLogger("rollout_proxy").setLevel(logging.CRITICAL)
+    # Thousands of seeds of injected faults would log every ejection; the level is restored
+    # afterwards so that a process running seeds (the test suite) keeps its own logging.
+    proxy_log = logging.getLogger("rollout_proxy")
+    level = proxy_log.level
+    proxy_log.setLevel(logging.CRITICAL)
     fds_before = _open_fds()
 
     async def main() -> Result:
         world = World(seed, replicas, mutate)
         return await world.run()
 
-    result: Result = run(main())
+    try:
+        result: Result = run(main())
+    finally:
+        proxy_log.setLevel(level)
     leaked = _open_fds() - fds_before
     if leaked > 0:
         result.violations.append(Violation(RUN_S, "I5", f"{leaked} file descriptors left open"))
