@@ -45,6 +45,9 @@ class SimReplica:
         self.adapters: dict[str, str] = {}
         self.paused = False
         self.incarnation = 0
+        # Faults that stop it applying control calls (wedge, slow, 5xx, partition) begun so far:
+        # a call it was able to apply at both ends may still have met one in between.
+        self.disruptions = 0
         self.readable_at: dict[str, float] = {}  # adapter path -> when this mount sees it
         self._waiters: list[asyncio.Future[None]] = []  # completions in progress
         self._resumed: asyncio.Future[None] | None = None

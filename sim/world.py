@@ -215,6 +215,8 @@ class World:
         else:  # partition
             f.partitioned = True
             undo = lambda: setattr(f, "partitioned", False)  # noqa: E731
+        if fault.kind in ("wedge", "slow", "5xx", "partition"):
+            replica.disruptions += 1
         if fault.kind != "missing_endpoints":  # a permanent trait, not a fault: I3 must hold
             self.healthy_since[fault.replica] = float("inf")
         await asyncio.sleep(fault.duration)
@@ -281,17 +283,22 @@ class World:
         started = self.now()
         path = body.get("lora_path", "")
         able_before = {
-            r.index: r.incarnation for r in self.replicas if self._able(r, endpoint, path)
+            r.index: (r.incarnation, r.disruptions)
+            for r in self.replicas
+            if self._able(r, endpoint, path)
         }
         answer = await self.proxy.control(endpoint, raw, query)
         self.control_busy = False
         self.desired_changed_at = self.now()
         self.result.control_calls += 1
-        # Able throughout the call: at its start and its end, with no restart in between.
+        # Able throughout the call: at its start and its end, with no restart and no disabling
+        # fault in between (seed 2840: a replica wedged mid-load and recovered just before the
+        # load's answer; the proxy rightly ejected it and answered 200).
         able = [
             r
             for r in self.replicas
-            if able_before.get(r.index) == r.incarnation and self._able(r, endpoint, path)
+            if able_before.get(r.index) == (r.incarnation, r.disruptions)
+            and self._able(r, endpoint, path)
         ]
         what = f"{endpoint} {name} at {started:.2f}s"
         self._check_answer(what, answer)

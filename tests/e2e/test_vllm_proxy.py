@@ -38,7 +38,11 @@ GROUP = 8
 @pytest.fixture(scope="module")
 def proxy(vllm_pair: VllmPair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProxyProcess]:
     log = tmp_path_factory.mktemp("proxy") / "proxy.log"
-    args = ["--hash-mode", "exact", "--vllm-hash-seed", vllm_pair.hash_seed]
+    # These tests check the affinity mechanics (the proxy's header against vLLM's own cache
+    # counters), so they pin the `prefix` policy: the default `cost` policy deliberately spreads
+    # a short prompt's group when a hit saves less prefill than the queue it would join costs
+    # (tests/unit/test_policy.py, bench/results/routing.md).
+    args = ["--hash-mode", "exact", "--vllm-hash-seed", vllm_pair.hash_seed, "--policy", "prefix"]
     with running_proxy(vllm_pair.urls, Path(log), args) as proc:
         yield proc
 
