@@ -74,6 +74,17 @@ def request_id(headers: list[tuple[bytes, bytes]]) -> str:
     return f"{_ID_PREFIX}-{next(_ids)}"
 
 
+class ErrorAnswer:
+    """An error the proxy answers itself: status, headers (with content-length), JSON body."""
+
+    __slots__ = ("body", "raw_headers", "status_code")
+
+    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        self.status_code = status
+        self.raw_headers = headers
+        self.body = body
+
+
 class DataPath:
     """Guard, parse, check and route one completion, and send the answer."""
 
@@ -104,27 +115,48 @@ class DataPath:
         self.limits.check(body, key)
         return await self.data.forward(route, path, raw, key, request_id(headers), started)
 
+    async def respond(
+        self, route: str, scope: Scope, raw: bytes, started: float
+    ) -> RelayedBody | RelayedStream | ErrorAnswer:
+        """The answer to one completion whose head passed the guard: a relayed answer, or the
+        OpenAI-shaped error that explains why there is none. Raises only a cancellation that is
+        not the shutdown's (the client left)."""
+        try:
+            return await self.handle(route, scope["path"], raw, scope["headers"], started)
+        except ProxyError as exc:
+            return self.error(route, exc)
+        except asyncio.CancelledError:
+            if not self.shutdown.cut_short(asyncio.current_task()):
+                raise
+            return self.error(route, self.shutdown.error())
+        except Exception:
+            log.exception("unhandled error on %s", scope["path"])
+            return self.error(route, ProxyError("internal proxy error"))
+
+    def error(self, route: str, exc: ProxyError) -> ErrorAnswer:
+        self.metrics.count_request(route, "none", exc.status_code)
+        status, headers, _ = error_response_parts(exc)
+        body = orjson.dumps(self.render_error(exc))
+        headers[1] = (b"content-length", str(len(body)).encode())
+        return ErrorAnswer(status, headers, body)
+
     async def serve(self, scope: Scope, receive: Receive, send: Send, route: str) -> None:
+        """The ASGI entry (any ASGI server; proxy/front.py serves the same from uvicorn's
+        protocol without the ASGI messages)."""
         started = time.perf_counter()
         try:
             problem = self.guard.check_head(scope)
             if problem is not None:
                 raise problem
             raw = await self._body(receive)
+        except ProxyError as exc:
+            answer: RelayedBody | RelayedStream | ErrorAnswer = self.error(route, exc)
+        else:
             if raw is None:
                 return  # the client left before sending its body
-            answer = await self.handle(route, scope["path"], raw, scope["headers"], started)
-        except ProxyError as exc:
-            await self._error(send, route, exc)
-            return
-        except asyncio.CancelledError:
-            if not self.shutdown.cut_short(asyncio.current_task()):
-                raise
-            await self._error(send, route, self.shutdown.error())
-            return
-        except Exception:
-            log.exception("unhandled error on %s", scope["path"])
-            await self._error(send, route, ProxyError("internal proxy error"))
+            answer = await self.respond(route, scope, raw, started)
+        if isinstance(answer, ErrorAnswer):
+            await send_whole(send, answer.status_code, answer.raw_headers, answer.body)
             return
         try:
             await answer(scope, receive, send)
@@ -156,13 +188,6 @@ class DataPath:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return b"".join(chunks)
-
-    async def _error(self, send: Send, route: str, exc: ProxyError) -> None:
-        self.metrics.count_request(route, "none", exc.status_code)
-        status, headers, _ = error_response_parts(exc)
-        body = orjson.dumps(self.render_error(exc))
-        headers[1] = (b"content-length", str(len(body)).encode())
-        await send_whole(send, status, headers, body)
 
 
 class ProxyApp(FastAPI):

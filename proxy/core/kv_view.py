@@ -30,7 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.core.prefix_index import BRANCHING, REQUEST_END, PrefixIndex
+from proxy.core.prefix_index import PrefixIndex
+from proxy.core.reach import mask_of, prefix_reach, specific
 
 _MASK64 = (1 << 64) - 1
 
@@ -399,50 +400,48 @@ class PreciseMatcher:
     ) -> tuple[dict[int, int], int]:
         """(specific matches per replica, depth of the common preamble in blocks), as
         ``Router.matches`` answers from the index alone."""
-        eligible = 0
-        for r in replicas:
-            eligible |= 1 << r
+        reach, common = self.reach(index, index.lookup(index_keys), event_keys, replicas)
+        return specific(reach, common), common
+
+    def reach(
+        self,
+        index: PrefixIndex,
+        values: Sequence[int],
+        event_keys: Sequence[int],
+        replicas: Sequence[int],
+    ) -> tuple[dict[int, int], int]:
+        """(reach per replica, common depth) from the index ``values`` just looked up for these
+        blocks, with each live view's own reach in place of the index's for its replica. The
+        walk itself is the router's (proxy/core/reach.py): only ``held`` differs."""
+        eligible = mask_of(replicas)
         live = self.live_mask(replicas)
-        reach: dict[int, int] = {}
         now = self._clock()
-        for r in replicas:
-            if live >> r & 1:
-                reach[r] = self.views[r].held_prefix(event_keys, now)
-        values = index.lookup(index_keys)
-        holders_of = index.holders
-        fallback = eligible & ~live
-        alive = fallback  # fallback replicas still holding every block so far
-        # Live replicas by how far they hold the prompt: each drops out past its own reach.
-        by_reach = sorted((n, r) for r, n in reach.items())
-        live_alive = live
-        next_out = 0
-        common = 0
+        views = self.views
+        # Live replicas by how far their views hold the prompt, shortest first.
+        by_reach = sorted(
+            (views[r].held_prefix(event_keys, now), r) for r in replicas if live >> r & 1
+        )
         known = len(values)
         depth_limit = max(known, by_reach[-1][0]) if by_reach else known
-        for depth in range(1, depth_limit + 1):
-            while next_out < len(by_reach) and by_reach[next_out][0] < depth:
+        held = index.held(values, eligible & ~live)
+        branching = index.branching(values)
+        if depth_limit > known:
+            held += [0] * (depth_limit - known)
+            branching += [False] * (depth_limit - known)
+        live_alive = live
+        next_out = 0
+        for depth in range(depth_limit):
+            while next_out < len(by_reach) and by_reach[next_out][0] <= depth:
                 live_alive &= ~(1 << by_reach[next_out][1])
                 next_out += 1
-            value = values[depth - 1] if depth <= known else 0
-            held = (holders_of(value) & fallback) | live_alive
-            if held == eligible or value & (BRANCHING | REQUEST_END) == BRANCHING:
-                common = depth
-            dropped = alive & ~held
-            alive &= held
-            while dropped:
-                low = dropped & -dropped
-                reach[low.bit_length() - 1] = depth - 1
-                dropped ^= low
-        while alive:
-            low = alive & -alive
-            reach[low.bit_length() - 1] = depth_limit
-            alive ^= low
-        for r in replicas:
-            reach.setdefault(r, 0)
+            if not live_alive:
+                break
+            held[depth] |= live_alive
+        reach, common = prefix_reach(held, branching, eligible, replicas)
         self._reach = reach
         self._live_mask = live
         self._keys = event_keys
-        return {r: max(0, d - common) for r, d in reach.items()}, common
+        return reach, common
 
     def routed(self, decision: object, replica: int) -> None:
         """The last ``specific_matches`` request went to ``replica``: its blocks count as held

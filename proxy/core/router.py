@@ -27,7 +27,8 @@ from proxy.core.extract import RoutingKey
 from proxy.core.hashing import BlockHasher, Namespace
 from proxy.core.kv_view import PreciseMatcher
 from proxy.core.policy import Candidate, Decision, Policy
-from proxy.core.prefix_index import BRANCHING, REQUEST_END, PrefixIndex
+from proxy.core.prefix_index import PrefixIndex
+from proxy.core.reach import mask_of, prefix_reach, specific
 
 # Names whose purge epoch we remember. Only purged names get an entry; a run publishes a few
 # hundred adapter versions, so 4096 is ample, and forgetting the oldest is harmless: its blocks
@@ -65,30 +66,13 @@ class Router:
 
     def matches(self, blocks: Sequence[int], replicas: Sequence[int]) -> tuple[dict[int, int], int]:
         """(specific matches per replica, depth of the common preamble in blocks)."""
-        values = self.index.lookup(blocks)
-        eligible = 0
-        for r in replicas:
-            eligible |= 1 << r
-        holders_of = self.index.holders
-        common = 0
-        reach: dict[int, int] = dict.fromkeys(replicas, 0)
-        alive = eligible
-        for depth, value in enumerate(values, start=1):
-            held = holders_of(value) & eligible
-            if held == eligible or value & (BRANCHING | REQUEST_END) == BRANCHING:
-                common = depth
-            dropped = alive & ~held
-            alive &= held
-            while dropped:
-                low = dropped & -dropped
-                reach[low.bit_length() - 1] = depth - 1
-                dropped ^= low
-        depth = len(values)
-        while alive:
-            low = alive & -alive
-            reach[low.bit_length() - 1] = depth
-            alive ^= low
-        return {r: max(0, d - common) for r, d in reach.items()}, common
+        reach, common = self._reach(self.index.lookup(blocks), replicas)
+        return specific(reach, common), common
+
+    def _reach(self, values: Sequence[int], replicas: Sequence[int]) -> tuple[dict[int, int], int]:
+        eligible = mask_of(replicas)
+        held = self.index.held(values, eligible)
+        return prefix_reach(held, self.index.branching(values), eligible, replicas)
 
     def route(
         self,
@@ -103,25 +87,27 @@ class Router:
         if not self.policy.uses_prefix:
             return self.policy.choose([Candidate(r, load, 0) for r, load in loads])
         blocks = self.block_keys(key, lora_path)
+        bs = self.block_size
         # vLLM always recomputes the last prompt token, so at most (len-1)//bs blocks can hit.
-        matchable = blocks[: max(0, (key.length - 1) // self.block_size)]
+        matchable = max(0, (key.length - 1) // bs)
+        # One lookup of every block: scoring reads the matchable ones, recording reuses them all.
+        values = self.index.lookup(blocks)
         # Text prompts without a tokenizer hash approximately: only token ids match vLLM's keys.
         precise = self.precise if key.tokens is not None else None
         replicas = [r for r, _ in loads]
         if precise is None:
-            matches, common = self.matches(matchable, replicas)
+            reach, common = self._reach(values[:matchable], replicas)
         else:
-            matches, common = precise.matches(
-                self.index, matchable, self._event_keys(key, lora_path, matchable), replicas
-            )
-        bs = self.block_size
-        decision = self.policy.choose(
-            [
-                Candidate(r, load, matches[r], key.length - (common + matches[r]) * bs)
-                for r, load in loads
-            ]
-        )
-        self.index.record(blocks, decision.replica)
+            event_keys = self._event_keys(key, lora_path, blocks[:matchable])
+            reach, common = precise.reach(self.index, values[:matchable], event_keys, replicas)
+        length = key.length
+        candidates = []
+        for r, load in loads:
+            d = reach[r]
+            matched = d - common if d > common else 0
+            candidates.append(Candidate(r, load, matched, length - (common + matched) * bs))
+        decision = self.policy.choose(candidates)
+        self.index.record(blocks, decision.replica, values)
         result = Decision(
             decision.replica, decision.outcome, decision.matched_blocks, tuple(blocks)
         )

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from tests.support.fake_vllm import FakeVllm
+from tests.support.traffic import wait_until
 
 TEMPLATE = list(range(1000, 1048))
 
@@ -44,14 +45,6 @@ def load(h, name: str, path: str = "") -> httpx.Response:
         "/v1/load_lora_adapter",
         json={"lora_name": name, "lora_path": path or f"/bucket/{name}", "load_inplace": False},
     )
-
-
-def wait_until(predicate, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.02)
 
 
 def metric(h, name: str, **labels: str) -> float:

@@ -11,6 +11,17 @@ from typing import Any
 import uvicorn
 
 
+def _http(app: Any) -> Any:
+    """The proxy is served the way ``python -m proxy`` serves it (proxy/server.py): its
+    completions from the protocol object unless its settings say ``hot_path="asgi"``."""
+    rt = getattr(getattr(app, "state", None), "rt", None)
+    if rt is None:
+        return "auto"
+    from proxy.server import http_protocol
+
+    return http_protocol(app, rt.settings.hot_path)
+
+
 class ServerThread:
     """uvicorn in a daemon thread. ``url`` is valid once ``start()`` returns."""
 
@@ -23,7 +34,12 @@ class ServerThread:
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(
-            app, log_level="warning", lifespan="auto", access_log=False, timeout_graceful_shutdown=5
+            app,
+            log_level="warning",
+            lifespan="auto",
+            access_log=False,
+            timeout_graceful_shutdown=5,
+            http=_http(app),
         )
         self.server = uvicorn.Server(config)
         self.loop: asyncio.AbstractEventLoop | None = None

@@ -11,11 +11,21 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
 
 TEMPLATE = list(range(1000, 1048))
+
+
+def wait_until(predicate: Callable[[], object], timeout: float = 5.0) -> None:
+    """Poll ``predicate`` (from a test's thread) until true, or fail after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.02)
 
 
 @dataclass

@@ -80,3 +80,24 @@ def test_memory_per_tracked_block() -> None:
     print(f"prefix index: {per_block:.1f} bytes per tracked block ({len(idx)} blocks)")
     assert len(idx) == n
     assert per_block <= 150
+
+
+def test_recording_with_the_lookup_it_follows_is_recording_alone() -> None:
+    """``record(keys, r, known=lookup(keys))`` (what the router does) leaves the index answering
+    every lookup exactly as ``record(keys, r)`` does."""
+    import random
+
+    rng = random.Random(5)
+    a, b = PrefixIndex(400, 8), PrefixIndex(400, 8)
+    prefixes = [[rng.getrandbits(64) for _ in range(rng.randint(1, 12))] for _ in range(30)]
+    chains = []
+    for _ in range(300):
+        base = rng.choice(prefixes)
+        chain = base + [rng.getrandbits(64) for _ in range(rng.randint(0, 6))]
+        replica = rng.randrange(8)
+        a.record(chain, replica)
+        b.record(chain, replica, b.lookup(chain))
+        chains.append(chain)
+    for chain in chains[-60:]:
+        assert a.lookup(chain) == b.lookup(chain)
+    assert len(a) <= 400 and len(b) <= 400

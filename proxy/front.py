@@ -1,0 +1,290 @@
+"""Completions answered from uvicorn's HTTP protocol object, without ASGI in between
+(``PROXY_HOT_PATH=protocol``, the default).
+
+Why. Measured on the 2-core dev machine (issue 12, ``python -m bench.run_overhead``), a bare
+pass-through on uvicorn's ASGI interface costs ~200-230 us of CPU per request with the proxy's
+own upstream client, and the same relay written as protocol callbacks costs ~60 us: per request,
+uvicorn builds a ``RequestResponseCycle``, an ``asyncio.Event``, a task, and the ASGI message
+dicts, and every ``receive``/``send`` is a coroutine call. vllm-router, the yardstick, costs
+~340 us per request there, and issue 12 asks for 0.6x of it *including* routing, so that layer
+had to go for the one route that carries every rollout.
+
+What. ``FrontProtocol`` is uvicorn's own httptools protocol (``http=`` accepts a protocol class)
+with three parser callbacks taken over for ``POST /v1/completions`` and
+``POST /v1/chat/completions`` when the request line names them exactly: the head is checked by
+the same guard as ever, the body is collected under the same limit, and one task runs
+``DataPath.respond`` (guard -> parse -> route -> relay, proxy/hotpath.py) and writes the answer
+straight to the transport: one write for a buffered answer, chunked framing for a stream.
+Everything else -- other routes, a query string, ``Expect: 100-continue``, an upgrade, a request
+pipelined behind another -- goes to uvicorn unchanged, and so to FastAPI (or ``ProxyApp``'s own
+ASGI data path, which answers exactly the same). ``PROXY_HOT_PATH=asgi`` turns this off.
+
+Behaviour kept from the ASGI path: keys, header/body limits (413 closes the connection, as the
+rest of the body is not wanted), token masking, routing, retries, ``X-Proxy-Replica``,
+``X-Request-Id``, metrics, logs, HTTP/1.0 and ``Connection: close``, keep-alive timeout, the
+server's ``date`` header, graceful shutdown (the request is registered like every other; a
+connection with a request in flight is closed once it is answered). One deliberate difference:
+a client that disconnects cancels its request, which closes the upstream connection, so vLLM
+aborts the generation instead of finishing it for nobody (the ASGI path only did so for streams).
+Requests on one connection are answered in order: one pipelined behind a completion in flight
+waits in uvicorn's own pipeline queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from http import HTTPStatus
+from typing import Any, ClassVar
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from proxy.dataplane import RelayedStream
+from proxy.errors import PayloadTooLarge, ProxyError
+from proxy.hotpath import HOT_ROUTES, DataPath
+from proxy.security.limits import too_large
+from proxy.shutdown import Shutdown
+
+log = logging.getLogger("rollout_proxy.front")
+
+HOT_URLS: dict[bytes, str] = {path.encode(): route for path, route in HOT_ROUTES.items()}
+
+
+def _status_line(status: int) -> bytes:
+    try:
+        phrase = HTTPStatus(status).phrase
+    except ValueError:
+        phrase = ""
+    return f"HTTP/1.1 {status} {phrase}\r\n".encode("latin-1")
+
+
+STATUS_LINES = {status: _status_line(status) for status in range(100, 600)}
+
+
+class _Hot:
+    """One completion in flight on a connection."""
+
+    __slots__ = ("chunks", "done", "keep_alive", "problem", "route", "scope", "size", "started")
+
+    def __init__(self, route: str, scope: dict[str, Any], keep_alive: bool) -> None:
+        self.route = route
+        self.scope = scope
+        self.keep_alive = keep_alive
+        self.started = time.perf_counter()
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.problem: ProxyError | None = None
+        self.done = False  # answered already (refused before its body was read)
+
+
+class FrontProtocol(HttpToolsProtocol):
+    """uvicorn's protocol, serving completions itself (see the module docstring)."""
+
+    data_path: ClassVar[DataPath]
+    proxy_shutdown: ClassVar[Shutdown]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.hot: _Hot | None = None  # the completion being read or answered
+        self.reading_hot = False  # the parser's current message is ``hot``
+        self.hot_task: asyncio.Task[None] | None = None
+
+    # -- parser callbacks --------------------------------------------------------------------
+
+    def on_headers_complete(self) -> None:
+        route = HOT_URLS.get(self.url)
+        parser = self.parser
+        if (
+            route is None
+            or parser.get_method() != b"POST"
+            or self.expect_100_continue
+            or self.hot is not None
+            or self.pipeline
+            or (self.cycle is not None and not self.cycle.response_complete)
+            or parser.should_upgrade()
+        ):
+            self.reading_hot = False
+            super().on_headers_complete()
+            return
+        self.reading_hot = True
+        scope: dict[str, Any] = self.scope  # type: ignore[assignment]
+        version = parser.get_http_version()
+        scope["method"] = "POST"
+        if version != "1.1":
+            scope["http_version"] = version
+        scope["path"] = self.url.decode("ascii")
+        scope["raw_path"] = self.url
+        scope["query_string"] = b""
+        hot = self.hot = _Hot(route, scope, version != "1.0" and parser.should_keep_alive())
+        problem = self.data_path.guard.check_head(scope)
+        if problem is None:
+            return
+        if isinstance(problem, PayloadTooLarge):
+            self._refuse(hot, problem)  # the body is not wanted: answer and close now
+        else:
+            hot.problem = problem  # answered once the (small) body is read past
+
+    def on_body(self, body: bytes) -> None:
+        hot = self.hot
+        if not self.reading_hot or hot is None:
+            super().on_body(body)
+            return
+        if hot.done or hot.problem is not None:
+            return
+        hot.size += len(body)
+        limit = self.data_path.guard.max_body_bytes
+        if hot.size > limit:
+            self._refuse(hot, PayloadTooLarge(too_large(limit), param="body"))
+            return
+        hot.chunks.append(body)
+
+    def on_message_complete(self) -> None:
+        hot = self.hot
+        if not self.reading_hot or hot is None:
+            super().on_message_complete()
+            return
+        self.reading_hot = False
+        if hot.done:
+            return
+        if hot.problem is not None:
+            answer = self.data_path.error(hot.route, hot.problem)
+            self._write_whole(hot, answer.status_code, answer.raw_headers, answer.body)
+            self._finish(hot)
+            return
+        # Reading goes on while this is answered, so that a client leaving is seen at once; a
+        # request pipelined behind this one is parsed and queued (``_start_asgi_task``).
+        raw = hot.chunks[0] if len(hot.chunks) == 1 else b"".join(hot.chunks)
+        hot.chunks = []
+        task = self.loop.create_task(self._serve(hot, raw))
+        self.hot_task = task
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        self.proxy_shutdown.running.add(task)
+
+    def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+        if self.hot is not None:
+            # A request pipelined behind a completion being answered: it waits its turn in
+            # uvicorn's own queue (started by ``on_response_complete`` once this one is done).
+            self.flow.pause_reading()
+            self.pipeline.appendleft((cycle, app))
+            return
+        super()._start_asgi_task(cycle, app)
+
+    # -- connection events ---------------------------------------------------------------------
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        task = self.hot_task
+        if task is not None and not task.done():
+            task.cancel()  # the client left: stop the upstream request too
+        super().connection_lost(exc)
+
+    def shutdown(self) -> None:
+        hot = self.hot
+        if hot is None:
+            super().shutdown()
+        else:
+            hot.keep_alive = False  # closed once its answer is written
+
+    # -- answering -----------------------------------------------------------------------------
+
+    async def _serve(self, hot: _Hot, raw: bytes) -> None:
+        task = self.hot_task
+        try:
+            answer = await self.data_path.respond(hot.route, hot.scope, raw, hot.started)
+            if isinstance(answer, RelayedStream):
+                await self._stream(hot, answer)
+            else:
+                self._write_whole(hot, answer.status_code, answer.raw_headers, answer.body)
+        except asyncio.CancelledError:
+            hot.keep_alive = False  # the client left (or the stream was cut): nothing to add
+        finally:
+            self.proxy_shutdown.running.discard(task)
+            self.hot_task = None
+            self._finish(hot)
+
+    def _head(self, hot: _Hot, status: int, headers: list[tuple[bytes, bytes]]) -> list[bytes]:
+        parts = [STATUS_LINES.get(status) or _status_line(status)]
+        for name, value in self.server_state.default_headers:
+            parts += (name, b": ", value, b"\r\n")
+        for name, value in headers:
+            parts += (name, b": ", value, b"\r\n")
+        if not hot.keep_alive:
+            parts.append(b"connection: close\r\n")
+        return parts
+
+    def _write_whole(
+        self, hot: _Hot, status: int, headers: list[tuple[bytes, bytes]], body: bytes | memoryview
+    ) -> None:
+        parts = self._head(hot, status, headers)
+        parts += (b"\r\n", bytes(body))
+        self.transport.write(b"".join(parts))
+
+    async def _stream(self, hot: _Hot, stream: RelayedStream) -> None:
+        """Relay an SSE stream with chunked framing. ``drain`` waits while the client's socket
+        is full, and the next chunk is not taken from the replica until then, so a slow client
+        slows its replica stream (proxy/pool.py stops reading it) instead of growing memory."""
+        parts = self._head(hot, stream.status_code, stream.raw_headers)
+        parts.append(b"transfer-encoding: chunked\r\n\r\n")
+        write = self.transport.write
+        flow = self.flow
+        write(b"".join(parts))
+        try:
+            async for chunk in stream.masked_chunks():
+                if chunk:
+                    write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+                    if flow.write_paused:
+                        await flow.drain()
+            write(b"0\r\n\r\n")
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if not self.proxy_shutdown.cut_short(task):
+                raise
+            log.warning("a stream was cut off: the shutdown grace period ended")
+            hot.keep_alive = False
+        except Exception as exc:  # the replica failed mid-stream: the client sees it end short
+            log.warning("a stream from replica %d broke: %s", stream.replica.index, exc)
+            hot.keep_alive = False
+        finally:
+            await stream.finish()
+
+    def _refuse(self, hot: _Hot, problem: ProxyError) -> None:
+        hot.keep_alive = False
+        hot.done = True
+        answer = self.data_path.error(hot.route, problem)
+        self._write_whole(hot, answer.status_code, answer.raw_headers, answer.body)
+        self._finish(hot)
+
+    def _finish(self, hot: _Hot) -> None:
+        if not hot.done:
+            self.hot = None
+        # else: refused before its body ended; the connection is closing, and the rest of the
+        # body is swallowed by ``on_body`` until it does.
+        if not hot.keep_alive:
+            self.transport.close()
+            return
+        self.on_response_complete()  # counts it, resumes reading, arms the keep-alive timer
+
+
+# What FrontProtocol relies on in uvicorn's protocol (checked before it is used, so a uvicorn
+# that changed them serves everything through ASGI instead of misbehaving).
+UVICORN_HOOKS = (
+    "on_headers_complete",
+    "on_body",
+    "on_message_complete",
+    "on_response_complete",
+    "_start_asgi_task",
+    "shutdown",
+)
+
+
+def supported() -> bool:
+    return all(callable(getattr(HttpToolsProtocol, name, None)) for name in UVICORN_HOOKS)
+
+
+def front_protocol(data_path: DataPath, shutdown: Shutdown) -> type[FrontProtocol]:
+    """A ``FrontProtocol`` class bound to this app's data path (uvicorn builds one protocol
+    object per connection from the class it is given)."""
+    return type(
+        "FrontProtocol", (FrontProtocol,), {"data_path": data_path, "proxy_shutdown": shutdown}
+    )
