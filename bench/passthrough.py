@@ -7,7 +7,11 @@ overhead against (run_overhead's ``floor`` and ``floor-aiohttp`` targets).
     python -m bench.passthrough --client aiohttp ...   # one shared aiohttp session instead
 
 ``--client lean`` (default) uses the proxy's own upstream client (proxy/pool.py), so the floor
-moves with it; ``aiohttp`` is the previous floor.
+moves with it; ``aiohttp`` is the previous floor. ``--front protocol`` serves the POSTs the way
+rollout-proxy serves completions by default (proxy/front.py: from uvicorn's protocol object,
+no ASGI messages) with the lean client: the floor of the proxy's own architecture
+(run_overhead's ``floor-protocol``), so what rollout-proxy costs above it is its routing,
+validation and bookkeeping alone.
 """
 
 from __future__ import annotations
@@ -87,17 +91,61 @@ class Passthrough:
         await send({"type": "http.response.body", "body": body})
 
 
+class _Answer:
+    __slots__ = ("body", "raw_headers", "status_code")
+
+    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
+        self.status_code, self.raw_headers, self.body = status, headers, body
+
+
+class RoundRobinPath:
+    """What proxy/front.py needs of a data path (``guard``, ``respond``, ``error``), doing
+    nothing but forwarding to the next backend with the lean client."""
+
+    def __init__(self, backends: Sequence[str]) -> None:
+        from proxy.pool import LeanPool
+        from proxy.security.guard import Guard
+        from proxy.security.keys import KeyRing
+
+        self._next = itertools.cycle(backends)
+        self.pool = LeanPool(connect_timeout=5, read_timeout=60, ssl_context=True, fixed_headers={})
+        self.guard = Guard(KeyRing(), max_body_bytes=2**26, max_header_bytes=2**16)
+
+    async def respond(self, route: str, scope: Scope, raw: bytes, started: float) -> _Answer:
+        reply = await self.pool.post(0, next(self._next), scope["path"], raw, JSON_HEADERS, False)
+        ctype = reply.headers.get("content-type", "").encode()
+        body = reply.body
+        return _Answer(
+            reply.status,
+            [(b"content-type", ctype), (b"content-length", str(len(body)).encode())],
+            body,
+        )
+
+    def error(self, route: str, exc: Exception) -> _Answer:
+        body = str(exc).encode()
+        return _Answer(500, [(b"content-length", str(len(body)).encode())], body)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.passthrough", description=__doc__)
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--backends", required=True, help="comma-separated base URLs")
     p.add_argument("--client", choices=("lean", "aiohttp"), default="lean")
+    p.add_argument("--front", choices=("asgi", "protocol"), default="asgi")
     args = p.parse_args(argv)
     import uvicorn
 
     backends = [u.strip().rstrip("/") for u in args.backends.split(",") if u.strip()]
     app = Passthrough(backends, args.client)
-    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False)
+    http: Any = "auto"
+    if args.front == "protocol":
+        from proxy.front import front_protocol
+        from proxy.shutdown import Shutdown
+
+        http = front_protocol(RoundRobinPath(backends), Shutdown(5.0))  # type: ignore[arg-type]
+    uvicorn.run(
+        app, host="127.0.0.1", port=args.port, log_level="warning", access_log=False, http=http
+    )
     return 0
 
 

@@ -90,9 +90,15 @@ TARGETS: dict[str, Target] = {
         Target("direct", "wrk -> fake backend, no proxy", "direct"),
         Target(
             "proxy",
-            "rollout-proxy, defaults (PROXY_UPSTREAM_TRANSPORT=lean)",
+            "rollout-proxy, defaults (PROXY_HOT_PATH=protocol, PROXY_UPSTREAM_TRANSPORT=lean)",
             "proxy",
             {"PROXY_UPSTREAM_TRANSPORT": "lean"},
+        ),
+        Target(
+            "proxy-asgi",
+            "rollout-proxy, PROXY_HOT_PATH=asgi (completions through the ASGI app)",
+            "proxy",
+            {"PROXY_UPSTREAM_TRANSPORT": "lean", "PROXY_HOT_PATH": "asgi"},
         ),
         Target(
             "proxy-aiohttp",
@@ -119,6 +125,13 @@ TARGETS: dict[str, Target] = {
             "bare ASGI app on uvicorn + the lean client (proxy/pool.py), round robin",
             "py-floor",
             args=("--client", "lean"),
+        ),
+        Target(
+            "floor-protocol",
+            "the same lean relay served from uvicorn's protocol object (proxy/front.py), round "
+            "robin: rollout-proxy's architecture with no routing",
+            "py-floor",
+            args=("--client", "lean", "--front", "protocol"),
         ),
         Target(
             "floor-aiohttp",
