@@ -18,7 +18,11 @@ completion, so only a router that knows where the first turn ran can give them t
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -107,3 +111,34 @@ def describe(share: float, groups: int) -> str:
         f"second client: the first turns of {n}/{groups} groups ({100 * n / groups:.0f}%) sent "
         f"straight to replica (group mod fleet size); every later turn through the router"
     )
+
+
+def bypassed_continuation_hits(dump: Path, share: float) -> tuple[int, float]:
+    """From a run's per-request dump (bench/run_routing.py writes one per run): how many first
+    continuations (turn 1) of the bypassed groups there were, and their cached tokens as a
+    share of the oracle's hits on them -- the requests whose prefix only the replicas knew."""
+    rows = [json.loads(line) for line in dump.read_text().splitlines()]
+    rows = [r for r in rows if "rollout" in r]
+    groups = foreign_groups(1 + max((r["group"] for r in rows), default=-1), share)
+    picked = [r for r in rows if r["turn"] == 1 and r["group"] in groups]
+    oracle = sum(r["oracle_hit_tokens"] for r in picked)
+    cached = sum(r["cached_tokens"] or 0 for r in picked)
+    return len(picked), cached / oracle if oracle else math.nan
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.foreign",
+        description="hits of the bypassed groups' first continuations, per run dump",
+    )
+    p.add_argument("--share", type=float, required=True, help="the run's --foreign-share")
+    p.add_argument("dumps", nargs="+", type=Path, help="requests-*.jsonl of a run")
+    args = p.parse_args(argv)
+    for dump in args.dumps:
+        n, rate = bypassed_continuation_hits(dump, args.share)
+        print(f"{dump.name}: {n} first continuations of bypassed groups, {rate:.1%} of oracle hits")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

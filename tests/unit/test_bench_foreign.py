@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import json
+import math
+from pathlib import Path
+
 import pytest
 
-from bench.foreign import ForeignDriver, describe, foreign_groups, make_driver
+from bench.foreign import (
+    ForeignDriver,
+    bypassed_continuation_hits,
+    describe,
+    foreign_groups,
+    make_driver,
+)
 from bench.run_routing import _parse_args
 from bench.workload import ControlPlane, Driver, RunTrace, WorkloadConfig
 
@@ -44,3 +54,20 @@ def test_the_driver_bypasses_the_router_only_when_asked() -> None:
     assert _parse_args([]).foreign_share == 0.0
     assert describe(0.25, 12).startswith("second client: the first turns of 3/12 groups (25%)")
     assert describe(0.0, 12) == "no second client"
+
+
+def test_bypassed_continuation_hits_read_from_a_run_dump(tmp_path: Path) -> None:
+    rows = [  # groups 0..3, share 0.5: groups 0 and 2 were bypassed
+        {"rollout": 0, "group": 0, "turn": 0, "cached_tokens": 0, "oracle_hit_tokens": 0},
+        {"rollout": 0, "group": 0, "turn": 1, "cached_tokens": 300, "oracle_hit_tokens": 400},
+        {"rollout": 9, "group": 2, "turn": 1, "cached_tokens": 100, "oracle_hit_tokens": 400},
+        {"rollout": 9, "group": 2, "turn": 2, "cached_tokens": 0, "oracle_hit_tokens": 900},
+        {"rollout": 5, "group": 1, "turn": 1, "cached_tokens": 0, "oracle_hit_tokens": 800},
+        {"rollout": 13, "group": 3, "turn": 1, "cached_tokens": None, "oracle_hit_tokens": 0},
+        {"cache_clear_at": 1.5},
+    ]
+    dump = tmp_path / "requests-tight-proxy-4.jsonl"
+    dump.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert bypassed_continuation_hits(dump, 0.5) == (2, 0.5)
+    n, rate = bypassed_continuation_hits(dump, 0.0)
+    assert n == 0 and math.isnan(rate)
