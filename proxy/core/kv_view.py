@@ -465,8 +465,9 @@ class PreciseMatcher:
         The answer and the event reporting the completion's blocks leave the replica together,
         but the next turn of a multi-turn rollout can reach the proxy before that event does;
         without this claim the view then credits the replica with the previous prompt only, and
-        the cost policy spills the continuation more often than the index would. To be called
-        where the index records the completion (``Router.record_completion``)."""
+        the cost policy may spill the continuation. Meant to be called where the index records
+        the completion (``Router.record_completion``); bench/results/kv_events.md measured it
+        there without a clear gain, so nothing calls it yet."""
         view = self.views.get(replica)
         if view is not None and view.usable:
             view.expect(keys, self._clock())
