@@ -9,10 +9,14 @@ where the proxy's memory is wrong and the events are right:
     python -m bench.run_routing --workload agentic --foreign-share 0.25 --routers proxy,proxy-events
 
 With ``--foreign-share F``, the first turn of every rollout of a share F of the groups (every
-1/F-th group, so the share is exact and the same for every router) is sent straight to one
+round(1/F)-th group from group 0: the same groups for every router) is sent straight to one
 replica, picked by group like a client that shards its work by prompt; the rollout's later turns
 go through the router as usual. Those continuations repeat the first turn's prompt and
 completion, so only a router that knows where the first turn ran can give them their prefix hit.
+
+    python -m bench.foreign --share 0.25 OUT/tmp/logs/requests-*.jsonl
+
+prints, per run, those first continuations' cached tokens as a share of the oracle's hits.
 """
 
 from __future__ import annotations
@@ -74,14 +78,12 @@ class ForeignDriver(Driver):
         # One plain driver per replica does the sending, so the request, its record and the
         # trace are exactly the router path's (same body, same parsing, same trace).
         self._direct = [Driver(cfg, url, control, prompt_format) for url in replica_urls]
-        self.sent_direct = 0
 
     async def _request(
         self, session: aiohttp.ClientSession, spec: RolloutSpec, turn: int, *rest: Any
     ) -> RequestRecord:
         """Driver._request's arguments (model, path, prompt, max_tokens follow ``turn``)."""
         if turn == 0 and spec.group in self.groups:
-            self.sent_direct += 1
             direct = self._direct[spec.group % len(self._direct)]
             return await direct._request(session, spec, turn, *rest)
         return await super()._request(session, spec, turn, *rest)
