@@ -78,14 +78,14 @@ class KvEventPublisher:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.bind(endpoint)
-        self.endpoint = self._pub.getsockopt(zmq.LAST_ENDPOINT).decode()
+        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self._replay: zmq.asyncio.Socket | None = None
         self.replay_endpoint: str | None = None
         if replay_endpoint is not None:
             self._replay = self._ctx.socket(zmq.ROUTER)
             self._replay.setsockopt(zmq.LINGER, 0)
             self._replay.bind(replay_endpoint)
-            self.replay_endpoint = self._replay.getsockopt(zmq.LAST_ENDPOINT).decode()
+            self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         self.block_size = block_size
         self._topic = topic.encode()
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)

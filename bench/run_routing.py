@@ -33,6 +33,7 @@ from typing import Any
 
 import aiohttp
 
+from bench.foreign import add_foreign_args, make_driver
 from bench.kv_events_report import kv_events_section, kv_events_summary
 from bench.oracle import oracle_hits, throughput_ceiling
 from bench.procs import REPO, ManagedProcess, free_port, machine_description, managed
@@ -42,7 +43,6 @@ from bench.simulator import SimConfig
 from bench.workload import (
     WORKLOADS,
     ControlPlane,
-    Driver,
     PromptFormat,
     RunTrace,
     Workload,
@@ -433,6 +433,7 @@ async def run_one(
     log_dir: Path,
     startup_timeout_s: float,
     probe_interval_sim_s: float | None = PROBE_INTERVAL_SIM_S,
+    foreign_share: float = 0.0,
 ) -> RunResult:
     """One router on ``n`` replicas. ``probe_interval_sim_s`` None: each router's own default."""
     wcfg, sim = workload.workload, workload.sim_for(n)
@@ -486,7 +487,8 @@ async def run_one(
             targets = [router_url] if probe.broadcasts else urls
             result.control = "through router" if probe.broadcasts else "direct to replicas"
             trace = RunTrace()
-            driver = Driver(wcfg, router_url, ControlPlane(targets, trace), spec.prompt_format)
+            control = ControlPlane(targets, trace)
+            driver = make_driver(wcfg, router_url, control, spec.prompt_format, urls, foreign_share)
             await driver.run(plan)
             stats = [await _get_json(session, url + "/sim/stats") for url in urls]
             if spec.tool is None:
@@ -950,6 +952,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--wall-s", type=float, default=None, help="with --report-from: wall time")
     p.add_argument("--measured-at", default=None, help="with --report-from: when it ran")
+    add_foreign_args(p)
     return p.parse_args(argv)
 
 
@@ -1062,7 +1065,15 @@ async def amain(argv: Sequence[str] | None = None) -> int:
             for spec in specs:
                 t0 = time.monotonic()
                 try:
-                    r = await run_one(spec, n, workload, log_dir, args.startup_timeout, interval)
+                    r = await run_one(
+                        spec,
+                        n,
+                        workload,
+                        log_dir,
+                        args.startup_timeout,
+                        interval,
+                        args.foreign_share,
+                    )
                 except Exception as exc:  # one router failing must not hide the others' numbers
                     r = RunResult(
                         spec.name,
