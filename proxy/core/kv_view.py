@@ -457,20 +457,6 @@ class PreciseMatcher:
             pending.popitem(last=False)
         pending[id(decision)] = (self._reach.get(replica, 0), bool(self._live_mask >> replica & 1))
 
-    def completed(self, keys: Sequence[int], replica: int) -> None:
-        """``replica`` just answered a request whose ``prompt + completion`` blocks are ``keys``
-        (vLLM's keys): count them as held there until its events report them.
-
-        The answer and the event reporting the completion's blocks leave the replica together,
-        but the next turn of a multi-turn rollout can reach the proxy before that event does;
-        without this claim the view then credits the replica with the previous prompt only, and
-        the cost policy may spill the continuation. Meant to be called where the index records
-        the completion (``Router.record_completion``); bench/results/kv_events.md measured it
-        there without a clear gain, so nothing calls it yet."""
-        view = self.views.get(replica)
-        if view is not None and view.usable:
-            view.expect(keys, self._clock())
-
     def outcome(self, decision: object) -> tuple[int, bool] | None:
         """(expected blocks, from a live view) for ``decision``, forgetting it."""
         return self._pending.pop(id(decision), None)

@@ -408,20 +408,3 @@ def test_text_prompts_route_on_the_index_even_with_live_views() -> None:
     again = router.route(text, [(0, 0.0), (1, 0.0)])
     assert again.replica == first.replica and again.outcome == "affinity"
     assert router.precise.outcome(first) is None  # no prediction: nothing to check it against
-
-
-def test_a_completion_counts_as_held_until_its_events_arrive() -> None:
-    """The next turn can reach the proxy before the event storing the previous completion."""
-    clock = Clock()
-    views = {0: live_view(), 1: live_view(), 2: ReplicaView()}  # 2: no live view
-    matcher = PreciseMatcher(views, clock)
-    history = chain(6)
-    views[0].apply(1, batch(stored(*history[:3])))  # the prompt was stored at scheduling
-    assert views[0].held_prefix(history, clock.now) == 3
-    matcher.completed(history, 0)
-    matcher.completed(history, 2)  # ignored: routed on the index
-    assert views[0].held_prefix(history, clock.now) == 6 and not views[2].pending
-    views[0].apply(2, batch(stored(*history[3:])))  # the event arrives: confirmed
-    assert not views[0].pending and views[0].held_prefix(history, clock.now) == 6
-    matcher.completed(chain(2, 50), 1)  # never confirmed: believed for PENDING_TTL_S only
-    assert views[1].held_prefix(chain(2, 50), clock.now + PENDING_TTL_S + 1) == 0
