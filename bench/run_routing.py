@@ -136,6 +136,13 @@ class RunResult:
     # real = simulated * time_scale): what the router (and client) added, in real milliseconds.
     added_p50_ms: float = math.nan
     added_p99_ms: float = math.nan
+    # CPU milliseconds per successful request over the driven run (utime+stime from /proc):
+    # the router under test (its whole process tree), the simulated fleet, and the client (the
+    # benchmark process). The three share this machine's cores, so the harness's own share says
+    # how much room it leaves the router; the router's share is what it would add on a real host.
+    router_cpu_ms: float = math.nan
+    sim_cpu_ms: float = math.nan
+    client_cpu_ms: float = math.nan
     # The throughput a router with perfect affinity and perfect balance could reach (oracle
     # prefill, every replica at the same batch), and this run's share of it.
     ceiling_tok_s: float = math.nan
@@ -487,7 +494,9 @@ async def run_one(
             result.control = "through router" if probe.broadcasts else "direct to replicas"
             trace = RunTrace()
             driver = Driver(wcfg, router_url, ControlPlane(targets, trace), spec.prompt_format)
+            cpu_before = (router.cpu_seconds(), fleet.cpu_seconds(), time.process_time())
             await driver.run(plan)
+            cpu_used = (router.cpu_seconds(), fleet.cpu_seconds(), time.process_time())
             stats = [await _get_json(session, url + "/sim/stats") for url in urls]
             if spec.tool is None:
                 result.decisions = await _proxy_decisions(session, router_url)
@@ -500,6 +509,12 @@ async def run_one(
             )
     dump = log_dir / f"requests-{tag}.jsonl"
     _metrics(result, trace, stats, sim, wcfg, dump)
+    served = len(trace.ok_records)
+    if served:
+        result.router_cpu_ms, result.sim_cpu_ms, result.client_cpu_ms = (
+            (after - before) * 1e3 / served
+            for before, after in zip(cpu_before, cpu_used, strict=True)
+        )
     if result.errors:
         result.status = "failed" if result.errors == result.requests else "ok"
         result.reason = (
@@ -650,6 +665,7 @@ def _result_rows(results: Sequence[RunResult], sim: SimConfig) -> list[list[str]
                 f"{fmt(r.sync_max_real_s * 1e3, 0)} ({_sim_seconds(r.sync_mean_real_s, sim)} / "
                 f"{_sim_seconds(r.sync_max_real_s, sim)})",
                 fmt(r.paused_sim_s, 2),
+                f"{fmt(r.router_cpu_ms, 2)} / {fmt(r.sim_cpu_ms, 2)} / {fmt(r.client_cpu_ms, 2)}",
                 r.control,
                 fmt(r.imbalance_busy),
                 f"{pct(r.hit_rate)} ({pct(r.oracle_ratio)})",
@@ -668,6 +684,7 @@ RESULT_HEADERS = [
     "added per request p50 / p99: real ms (sim s)",
     "syncs: mean / max real ms (sim s)",
     "paused per replica (sim s)",
+    "CPU ms per request: router / simulator / client",
     "control calls",
     "busy imbalance",
     "hit rate (of oracle)",
@@ -857,7 +874,13 @@ DEFINITIONS = """
 - **added per request**: per request, client-observed real latency minus the replica's real
   time on it (simulated x time_scale), p50 / p99 over requests, in real milliseconds; in brackets
   what the simulation makes of it (real / time_scale, simulated seconds). It is the router's
-  hop, its CPU time and any queueing on this shared machine's two cores.
+  hop and CPU time, plus the harness's own real time, the same for every router: the
+  simulator parsing the request and serializing the answer, its timer waking late, the client
+  parsing the answer, and all of them queueing for this machine's two cores.
+- **CPU ms per request**: CPU time (user + system, from /proc) over the driven run divided by
+  the successful requests, for the router under test (process tree), the simulated fleet and
+  the client. The router's figure is what it costs a real host per request; the simulator's and
+  client's are the harness's load on the cores the router needs.
 - **syncs**: TRL's weight syncs (`/pause?mode=keep`, `/v1/load_lora_adapter`, `/resume`), how
   many, and their mean / max duration as the client saw it (first call sent to the last answer),
   real milliseconds and (simulated seconds). **paused per replica**: simulated seconds each
