@@ -953,6 +953,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=",".join(n for n, s in ROUTERS.items() if not s.kv_events),
         help=f"comma-separated, from {sorted(ROUTERS)}",
     )
+    p.add_argument(
+        "--events-workloads",
+        default=None,
+        help="comma-separated workloads where proxy-events runs (its replicas publish KV "
+        "events, which costs CPU; default: every workload of the run)",
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--groups", type=int, default=None, help="prompts (default: the workload's)")
@@ -1013,6 +1019,19 @@ def configs(args: argparse.Namespace) -> tuple[list[Workload], list[int]]:
     return chosen, sizes
 
 
+def events_workloads(args: argparse.Namespace, workloads: Sequence[Workload]) -> set[str]:
+    """The workloads where routers on KV-cache events (``proxy-events``) run: all by default."""
+    names = {w.name for w in workloads}
+    if args.events_workloads is None:
+        return names
+    chosen = {x for x in args.events_workloads.split(",") if x}
+    if not chosen <= names:
+        raise ValueError(
+            f"--events-workloads {sorted(chosen - names)} not among --workload {sorted(names)}"
+        )
+    return chosen
+
+
 def probe_interval(args: argparse.Namespace) -> float | None:
     if args.probe_interval == "own":
         return None
@@ -1071,10 +1090,14 @@ async def amain(argv: Sequence[str] | None = None) -> int:
     workloads, sizes = configs(args)
     interval = probe_interval(args)
     specs = select([x for x in args.routers.split(",") if x])
+    events_in = events_workloads(args, workloads)
     if any(s.kv_events for s in specs):
-        # Every router of the run faces the same publishing (and so equally loaded) replicas.
+        # Every router of a workload with event routers faces the same publishing (and so
+        # equally loaded) replicas; the other workloads' replicas publish nothing.
         workloads = [
             dataclasses.replace(w, sim=dataclasses.replace(w.sim, kv_events=True))
+            if w.name in events_in
+            else w
             for w in workloads
         ]
     log_dir = args.out / "tmp" / "logs"  # bench/results/tmp/ is git-ignored
@@ -1083,6 +1106,8 @@ async def amain(argv: Sequence[str] | None = None) -> int:
     for workload in workloads:
         for n in sizes:
             for spec in specs:
+                if spec.kv_events and workload.name not in events_in:
+                    continue
                 t0 = time.monotonic()
                 try:
                     r = await run_one(spec, n, workload, log_dir, args.startup_timeout, interval)

@@ -1058,6 +1058,11 @@ def create_app(replica: Replica) -> Starlette:
 def _bind(host: str) -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    # Accepted connections inherit TCP_NODELAY from the listener (Linux). Without it, an answer
+    # written in two sends (headers, then body) waits for the client's delayed ACK on a
+    # kept-alive connection: 40 ms per request (measured: aiohttp 44 ms, a fresh curl 2 ms),
+    # which time_scale magnifies into a simulated fraction of a second for every router.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, 0))
     sock.listen(2048)
     sock.set_inheritable(True)

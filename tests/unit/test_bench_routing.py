@@ -13,6 +13,7 @@ from bench.run_routing import (
     _parse_args,
     _targets,
     configs,
+    events_workloads,
     probe_interval,
 )
 from bench.simulator import SimConfig
@@ -34,6 +35,17 @@ def test_workloads_and_fleet_sizes_are_selectable() -> None:
     assert sizes == [2] and smoke.workload.groups == 6 and smoke.sim.time_scale == 0.01
     with pytest.raises(ValueError, match="unknown workload"):
         configs(_parse_args(["--workload", "chat"]))
+
+
+def test_event_routers_run_in_the_workloads_named() -> None:
+    args = _parse_args(["--workload", "grpo,tight"])
+    workloads, _ = configs(args)
+    assert events_workloads(args, workloads) == {"grpo", "tight"}
+    args = _parse_args(["--workload", "grpo,tight", "--events-workloads", "tight"])
+    assert events_workloads(args, workloads) == {"tight"}
+    args = _parse_args(["--workload", "grpo", "--events-workloads", "tight"])
+    with pytest.raises(ValueError, match="not among --workload"):
+        events_workloads(args, configs(args)[0])
 
 
 def test_probe_interval_is_simulated_seconds_or_each_routers_own() -> None:
