@@ -115,6 +115,11 @@ class RunResult:
     oracle_rate: float = math.nan
     oracle_ratio: float = math.nan
     imbalance_busy: float = math.nan
+    # The same max / mean, over the part of the run before its drain (until the last rollout
+    # started), from the client's request intervals per replica; and the drain's share of the
+    # makespan. The drain is where few rollouts are left to place: see _busy_before_drain.
+    imbalance_before_drain: float = math.nan
+    drain_share: float = math.nan
     imbalance_load: float = math.nan
     spread: float = math.nan
     throughput_tok_s: float = math.nan
@@ -310,6 +315,46 @@ def _added_latency_ms(trace: RunTrace, stats: list[dict[str, Any]], sim: SimConf
     return added
 
 
+def _union_seconds(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """Length of the union of ``intervals`` clipped to [lo, hi]."""
+    clipped = sorted((max(a, lo), min(b, hi)) for a, b in intervals if min(b, hi) > max(a, lo))
+    total = 0.0
+    covered_to = lo
+    for a, b in clipped:
+        if b > covered_to:
+            total += b - max(a, covered_to)
+            covered_to = b
+    return total
+
+
+def _busy_before_drain(trace: RunTrace) -> tuple[float, float]:
+    """(busy imbalance before the drain, the drain's share of the makespan).
+
+    Once the last rollout has started, TRL has nothing left to send but the remaining turns of
+    the rollouts in flight: a replica holding one of the last long rollouts stays busy while the
+    others go idle, whichever router placed it (spreading a rollout's sequential turns over idle
+    replicas would not end it sooner). Busy time per replica here is the union of its requests'
+    client-side intervals (send to answer), so it includes the hop; replicas never used count
+    as idle."""
+    by_replica: dict[int, list[tuple[float, float]]] = {}
+    starts: list[float] = []
+    for r in trace.ok_records:
+        m = _SIM_ID.match(r.response_id)
+        if m is not None:
+            by_replica.setdefault(int(m.group(1)), []).append((r.t_send, r.t_recv))
+        if r.turn == 0:
+            starts.append(r.t_send)
+    if not by_replica or not starts:
+        return math.nan, math.nan
+    drain_from = max(starts)
+    n = max(by_replica) + 1
+    busy = [_union_seconds(by_replica.get(i, []), trace.t_start, drain_from) for i in range(n)]
+    mean = statistics.fmean(busy)
+    makespan = trace.t_end - trace.t_start
+    share = (trace.t_end - drain_from) / makespan if makespan > 0 else math.nan
+    return (max(busy) / mean if mean > 0 else math.nan), share
+
+
 def _set_ceiling(
     result: RunResult,
     prompts: Sequence[int],
@@ -407,6 +452,7 @@ def _metrics(
     result.server_p50_s = percentile(server, 50)
     result.server_p99_s = percentile(server, 99)
     result.groups_whole, result.replicas_per_group = _group_placement(trace, group_size)
+    result.imbalance_before_drain, result.drain_share = _busy_before_drain(trace)
     durations = [end - start for start, end in trace.syncs]
     result.syncs = len(durations)
     if durations:
@@ -594,7 +640,16 @@ def _targets(results: Sequence[RunResult]) -> tuple[list[list[str]], list[str]]:
                 f"{fmt(ours.added_p99_ms, 1)} ms vs {fmt(best_p99.added_p99_ms, 1)} ms)."
             )
         if ours.imbalance_busy > TARGET_IMBALANCE:
-            notes.append(f"{where}: busy imbalance {fmt(ours.imbalance_busy)} > 1.10.")
+            notes.append(
+                f"{where}: busy imbalance {fmt(ours.imbalance_busy)} > 1.10; before the drain "
+                f"(the last {pct(ours.drain_share)} of the run, after the last rollout started) "
+                f"{fmt(ours.imbalance_before_drain)}"
+                + (
+                    f", least_loaded {fmt(ll.imbalance_busy)} ({fmt(ll.imbalance_before_drain)})."
+                    if ll
+                    else "."
+                )
+            )
         if agentic and not ll_ratio >= TARGET_AGENTIC_VS_LL:
             notes.append(
                 f"{where}: {fmt(ll_ratio, 3)}x least_loaded's throughput against a "
@@ -667,7 +722,7 @@ def _result_rows(results: Sequence[RunResult], sim: SimConfig) -> list[list[str]
                 fmt(r.paused_sim_s, 2),
                 f"{fmt(r.router_cpu_ms, 2)} / {fmt(r.sim_cpu_ms, 2)} / {fmt(r.client_cpu_ms, 2)}",
                 r.control,
-                fmt(r.imbalance_busy),
+                f"{fmt(r.imbalance_busy)} ({fmt(r.imbalance_before_drain)})",
                 f"{pct(r.hit_rate)} ({pct(r.oracle_ratio)})",
                 f"{r.errors}/{r.requests}",
             ]
@@ -686,7 +741,7 @@ RESULT_HEADERS = [
     "paused per replica (sim s)",
     "CPU ms per request: router / simulator / client",
     "control calls",
-    "busy imbalance",
+    "busy imbalance (before the drain)",
     "hit rate (of oracle)",
     "errors",
 ]
@@ -891,6 +946,10 @@ DEFINITIONS = """
   that sees every successful request at its send time, caches prompts at once and completions at
   the reply, and is cleared by every `/pause` (vLLM resets the prefix cache on pause).
 - **busy imbalance**: max / mean over replicas of simulated time spent prefilling or decoding.
+  In brackets, the same before the drain: from the start to the moment the last rollout
+  started (after it TRL only sends the remaining turns of the rollouts in flight, so a replica
+  holding one of the last long rollouts stays busy while the others idle, whoever placed it),
+  over each replica's requests as the client saw them (send to answer).
 """
 
 
