@@ -152,6 +152,9 @@ class RunResult:
     # prefill, every replica at the same batch), and this run's share of it.
     ceiling_tok_s: float = math.nan
     ceiling_share: float = math.nan
+    # The most prefix affinity can buy on these requests: the ceiling with the oracle's hits over
+    # the same ceiling with no hit at all (every prompt prefilled in full).
+    affinity_gain_max: float = math.nan
     # Diagnostics: replicas per GRPO group (first turns), and the proxy's own decision counters.
     # Oracle hit tokens missed on first turns and on multi-turn continuations, as shares of the
     # oracle's hits (from each answer's usage.prompt_tokens_details.cached_tokens).
@@ -373,6 +376,16 @@ def _set_ceiling(
     )
     if result.ceiling_tok_s > 0:
         result.ceiling_share = result.throughput_tok_s / result.ceiling_tok_s
+    no_hits = throughput_ceiling(
+        prompts,
+        completions,
+        [0] * len(prompts),
+        replicas=result.replicas,
+        concurrency=wcfg.max_inflight,
+        sim=sim,
+    )
+    if no_hits > 0:
+        result.affinity_gain_max = result.ceiling_tok_s / no_hits
 
 
 def _ceiling_from_dump(result: RunResult, dump: Path, w: Workload) -> None:
@@ -656,7 +669,10 @@ def _targets(results: Sequence[RunResult]) -> tuple[list[list[str]], list[str]]:
                 f"{TARGET_AGENTIC_VS_LL}x target; the ceiling (perfect affinity and balance) is "
                 + (
                     f"{fmt(ours.ceiling_tok_s / ll.throughput_tok_s, 3)}x least_loaded's, and the "
-                    f"proxy reaches {pct(ours.ceiling_share)} of it."
+                    f"proxy reaches {pct(ours.ceiling_share)} of it. Perfect affinity itself is "
+                    f"worth at most {fmt(ours.affinity_gain_max, 3)}x here (that ceiling over the "
+                    "same with every prompt prefilled in full): the rest of the ceiling's lead is "
+                    "syncs, ramp-up, drain and real delays, which no placement removes."
                     if ll
                     else "unknown (least_loaded did not run)."
                 )
