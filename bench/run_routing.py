@@ -152,9 +152,10 @@ class RunResult:
     # prefill, every replica at the same batch), and this run's share of it.
     ceiling_tok_s: float = math.nan
     ceiling_share: float = math.nan
-    # The most prefix affinity can buy on these requests: the ceiling with the oracle's hits over
-    # the same ceiling with no hit at all (every prompt prefilled in full).
-    affinity_gain_max: float = math.nan
+    # The same ceiling with this run's own prefix hits instead of the oracle's (perfect balance,
+    # this router's affinity): the oracle's ceiling over least_loaded's is the most that better
+    # affinity alone could buy over least_loaded on these requests.
+    ceiling_own_hits_tok_s: float = math.nan
     # Diagnostics: replicas per GRPO group (first turns), and the proxy's own decision counters.
     # Oracle hit tokens missed on first turns and on multi-turn continuations, as shares of the
     # oracle's hits (from each answer's usage.prompt_tokens_details.cached_tokens).
@@ -363,29 +364,24 @@ def _set_ceiling(
     prompts: Sequence[int],
     completions: Sequence[int],
     oracle_hits: Sequence[int],
+    own_hits: Sequence[int],
     wcfg: WorkloadConfig,
     sim: SimConfig,
 ) -> None:
-    result.ceiling_tok_s = throughput_ceiling(
-        prompts,
-        completions,
-        oracle_hits,
-        replicas=result.replicas,
-        concurrency=wcfg.max_inflight,
-        sim=sim,
-    )
+    def ceiling(hits: Sequence[int]) -> float:
+        return throughput_ceiling(
+            prompts,
+            completions,
+            hits,
+            replicas=result.replicas,
+            concurrency=wcfg.max_inflight,
+            sim=sim,
+        )
+
+    result.ceiling_tok_s = ceiling(oracle_hits)
     if result.ceiling_tok_s > 0:
         result.ceiling_share = result.throughput_tok_s / result.ceiling_tok_s
-    no_hits = throughput_ceiling(
-        prompts,
-        completions,
-        [0] * len(prompts),
-        replicas=result.replicas,
-        concurrency=wcfg.max_inflight,
-        sim=sim,
-    )
-    if no_hits > 0:
-        result.affinity_gain_max = result.ceiling_tok_s / no_hits
+    result.ceiling_own_hits_tok_s = ceiling(own_hits)
 
 
 def _ceiling_from_dump(result: RunResult, dump: Path, w: Workload) -> None:
@@ -397,6 +393,7 @@ def _ceiling_from_dump(result: RunResult, dump: Path, w: Workload) -> None:
         [r["prompt_tokens"] for r in rows],
         [r["completion_tokens"] for r in rows],
         [r["oracle_hit_tokens"] for r in rows],
+        [r["cached_tokens"] or 0 for r in rows],
         w.workload,
         w.sim_for(result.replicas),
     )
@@ -480,6 +477,7 @@ def _metrics(
         [len(r.prompt) for r in ok],
         [len(r.completion) for r in ok],
         oracle.per_request,
+        [r.cached_tokens or 0 for r in ok],
         wcfg,
         sim,
     )
@@ -669,10 +667,11 @@ def _targets(results: Sequence[RunResult]) -> tuple[list[list[str]], list[str]]:
                 f"{TARGET_AGENTIC_VS_LL}x target; the ceiling (perfect affinity and balance) is "
                 + (
                     f"{fmt(ours.ceiling_tok_s / ll.throughput_tok_s, 3)}x least_loaded's, and the "
-                    f"proxy reaches {pct(ours.ceiling_share)} of it. Perfect affinity itself is "
-                    f"worth at most {fmt(ours.affinity_gain_max, 3)}x here (that ceiling over the "
-                    "same with every prompt prefilled in full): the rest of the ceiling's lead is "
-                    "syncs, ramp-up, drain and real delays, which no placement removes."
+                    f"proxy reaches {pct(ours.ceiling_share)} of it. Better affinity itself is "
+                    f"worth at most {fmt(ours.ceiling_tok_s / ll.ceiling_own_hits_tok_s, 3)}x "
+                    "least_loaded here (that ceiling over the same with least_loaded's own hits): "
+                    "the rest of the ceiling's lead is syncs, ramp-up, drain and real delays, "
+                    "which no placement removes."
                     if ll
                     else "unknown (least_loaded did not run)."
                 )
