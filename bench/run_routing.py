@@ -3,7 +3,9 @@ replicas; reports what users feel first (fleet throughput, tail latency, what we
 then prefix-cache hits against an oracle and load imbalance, for each workload and fleet size.
 
     python -m bench.run_routing                     # grpo, 2,4,8,16 replicas -> bench/results/
-    python -m bench.run_routing --workload grpo,agentic,tight --groups 16   # the full matrix
+    python -m bench.run_routing --workload grpo,agentic,tight \\
+        --routers proxy,proxy-prefix,proxy-rr,proxy-ll,vllm-router,sglang-router,proxy-events \\
+        --events-workloads tight                    # the full matrix, ~30 min quiet
     python -m bench.run_routing --smoke --out /tmp/r   # seconds: 2 replicas, tiny workload
 
 Workloads (``WORKLOADS``): ``grpo`` (short math prompts, long answers: decode-bound), ``agentic``
