@@ -3,7 +3,9 @@ replicas; reports what users feel first (fleet throughput, tail latency, what we
 then prefix-cache hits against an oracle and load imbalance, for each workload and fleet size.
 
     python -m bench.run_routing                     # grpo, 2,4,8,16 replicas -> bench/results/
-    python -m bench.run_routing --workload grpo,agentic,tight --groups 16   # the full matrix
+    python -m bench.run_routing --workload grpo,agentic,tight \\
+        --routers proxy,proxy-prefix,proxy-rr,proxy-ll,vllm-router,sglang-router,proxy-events \\
+        --events-workloads tight                    # the full matrix, ~30 min quiet
     python -m bench.run_routing --smoke --out /tmp/r   # seconds: 2 replicas, tiny workload
 
 Workloads (``WORKLOADS``): ``grpo`` (short math prompts, long answers: decode-bound), ``agentic``
@@ -115,6 +117,11 @@ class RunResult:
     oracle_rate: float = math.nan
     oracle_ratio: float = math.nan
     imbalance_busy: float = math.nan
+    # The same max / mean, over the part of the run before its drain (until the last rollout
+    # started), from the client's request intervals per replica; and the drain's share of the
+    # makespan. The drain is where few rollouts are left to place: see _busy_before_drain.
+    imbalance_before_drain: float = math.nan
+    drain_share: float = math.nan
     imbalance_load: float = math.nan
     spread: float = math.nan
     throughput_tok_s: float = math.nan
@@ -136,10 +143,21 @@ class RunResult:
     # real = simulated * time_scale): what the router (and client) added, in real milliseconds.
     added_p50_ms: float = math.nan
     added_p99_ms: float = math.nan
+    # CPU milliseconds per successful request over the driven run (utime+stime from /proc):
+    # the router under test (its whole process tree), the simulated fleet, and the client (the
+    # benchmark process). The three share this machine's cores, so the harness's own share says
+    # how much room it leaves the router; the router's share is what it would add on a real host.
+    router_cpu_ms: float = math.nan
+    sim_cpu_ms: float = math.nan
+    client_cpu_ms: float = math.nan
     # The throughput a router with perfect affinity and perfect balance could reach (oracle
     # prefill, every replica at the same batch), and this run's share of it.
     ceiling_tok_s: float = math.nan
     ceiling_share: float = math.nan
+    # The same ceiling with this run's own prefix hits instead of the oracle's (perfect balance,
+    # this router's affinity): the oracle's ceiling over least_loaded's is the most that better
+    # affinity alone could buy over least_loaded on these requests.
+    ceiling_own_hits_tok_s: float = math.nan
     # Diagnostics: replicas per GRPO group (first turns), and the proxy's own decision counters.
     # Oracle hit tokens missed on first turns and on multi-turn continuations, as shares of the
     # oracle's hits (from each answer's usage.prompt_tokens_details.cached_tokens).
@@ -303,24 +321,69 @@ def _added_latency_ms(trace: RunTrace, stats: list[dict[str, Any]], sim: SimConf
     return added
 
 
+def _union_seconds(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """Length of the union of ``intervals`` clipped to [lo, hi]."""
+    clipped = sorted((max(a, lo), min(b, hi)) for a, b in intervals if min(b, hi) > max(a, lo))
+    total = 0.0
+    covered_to = lo
+    for a, b in clipped:
+        if b > covered_to:
+            total += b - max(a, covered_to)
+            covered_to = b
+    return total
+
+
+def _busy_before_drain(trace: RunTrace) -> tuple[float, float]:
+    """(busy imbalance before the drain, the drain's share of the makespan).
+
+    Once the last rollout has started, TRL has nothing left to send but the remaining turns of
+    the rollouts in flight: a replica holding one of the last long rollouts stays busy while the
+    others go idle, whichever router placed it (spreading a rollout's sequential turns over idle
+    replicas would not end it sooner). Busy time per replica here is the union of its requests'
+    client-side intervals (send to answer), so it includes the hop; replicas never used count
+    as idle."""
+    by_replica: dict[int, list[tuple[float, float]]] = {}
+    starts: list[float] = []
+    for r in trace.ok_records:
+        m = _SIM_ID.match(r.response_id)
+        if m is not None:
+            by_replica.setdefault(int(m.group(1)), []).append((r.t_send, r.t_recv))
+        if r.turn == 0:
+            starts.append(r.t_send)
+    if not by_replica or not starts:
+        return math.nan, math.nan
+    drain_from = max(starts)
+    n = max(by_replica) + 1
+    busy = [_union_seconds(by_replica.get(i, []), trace.t_start, drain_from) for i in range(n)]
+    mean = statistics.fmean(busy)
+    makespan = trace.t_end - trace.t_start
+    share = (trace.t_end - drain_from) / makespan if makespan > 0 else math.nan
+    return (max(busy) / mean if mean > 0 else math.nan), share
+
+
 def _set_ceiling(
     result: RunResult,
     prompts: Sequence[int],
     completions: Sequence[int],
     oracle_hits: Sequence[int],
+    own_hits: Sequence[int],
     wcfg: WorkloadConfig,
     sim: SimConfig,
 ) -> None:
-    result.ceiling_tok_s = throughput_ceiling(
-        prompts,
-        completions,
-        oracle_hits,
-        replicas=result.replicas,
-        concurrency=wcfg.max_inflight,
-        sim=sim,
-    )
+    def ceiling(hits: Sequence[int]) -> float:
+        return throughput_ceiling(
+            prompts,
+            completions,
+            hits,
+            replicas=result.replicas,
+            concurrency=wcfg.max_inflight,
+            sim=sim,
+        )
+
+    result.ceiling_tok_s = ceiling(oracle_hits)
     if result.ceiling_tok_s > 0:
         result.ceiling_share = result.throughput_tok_s / result.ceiling_tok_s
+    result.ceiling_own_hits_tok_s = ceiling(own_hits)
 
 
 def _ceiling_from_dump(result: RunResult, dump: Path, w: Workload) -> None:
@@ -332,6 +395,7 @@ def _ceiling_from_dump(result: RunResult, dump: Path, w: Workload) -> None:
         [r["prompt_tokens"] for r in rows],
         [r["completion_tokens"] for r in rows],
         [r["oracle_hit_tokens"] for r in rows],
+        [r["cached_tokens"] or 0 for r in rows],
         w.workload,
         w.sim_for(result.replicas),
     )
@@ -400,6 +464,7 @@ def _metrics(
     result.server_p50_s = percentile(server, 50)
     result.server_p99_s = percentile(server, 99)
     result.groups_whole, result.replicas_per_group = _group_placement(trace, group_size)
+    result.imbalance_before_drain, result.drain_share = _busy_before_drain(trace)
     durations = [end - start for start, end in trace.syncs]
     result.syncs = len(durations)
     if durations:
@@ -414,6 +479,7 @@ def _metrics(
         [len(r.prompt) for r in ok],
         [len(r.completion) for r in ok],
         oracle.per_request,
+        [r.cached_tokens or 0 for r in ok],
         wcfg,
         sim,
     )
@@ -489,7 +555,9 @@ async def run_one(
             trace = RunTrace()
             control = ControlPlane(targets, trace)
             driver = make_driver(wcfg, router_url, control, spec.prompt_format, urls, foreign_share)
+            cpu_before = (router.cpu_seconds(), fleet.cpu_seconds(), time.process_time())
             await driver.run(plan)
+            cpu_used = (router.cpu_seconds(), fleet.cpu_seconds(), time.process_time())
             stats = [await _get_json(session, url + "/sim/stats") for url in urls]
             if spec.tool is None:
                 result.decisions = await _proxy_decisions(session, router_url)
@@ -502,6 +570,12 @@ async def run_one(
             )
     dump = log_dir / f"requests-{tag}.jsonl"
     _metrics(result, trace, stats, sim, wcfg, dump)
+    served = len(trace.ok_records)
+    if served:
+        result.router_cpu_ms, result.sim_cpu_ms, result.client_cpu_ms = (
+            (after - before) * 1e3 / served
+            for before, after in zip(cpu_before, cpu_used, strict=True)
+        )
     if result.errors:
         result.status = "failed" if result.errors == result.requests else "ok"
         result.reason = (
@@ -581,14 +655,27 @@ def _targets(results: Sequence[RunResult]) -> tuple[list[list[str]], list[str]]:
                 f"{fmt(ours.added_p99_ms, 1)} ms vs {fmt(best_p99.added_p99_ms, 1)} ms)."
             )
         if ours.imbalance_busy > TARGET_IMBALANCE:
-            notes.append(f"{where}: busy imbalance {fmt(ours.imbalance_busy)} > 1.10.")
+            notes.append(
+                f"{where}: busy imbalance {fmt(ours.imbalance_busy)} > 1.10; before the drain "
+                f"(the last {pct(ours.drain_share)} of the run, after the last rollout started) "
+                f"{fmt(ours.imbalance_before_drain)}"
+                + (
+                    f", least_loaded {fmt(ll.imbalance_busy)} ({fmt(ll.imbalance_before_drain)})."
+                    if ll
+                    else "."
+                )
+            )
         if agentic and not ll_ratio >= TARGET_AGENTIC_VS_LL:
             notes.append(
                 f"{where}: {fmt(ll_ratio, 3)}x least_loaded's throughput against a "
                 f"{TARGET_AGENTIC_VS_LL}x target; the ceiling (perfect affinity and balance) is "
                 + (
                     f"{fmt(ours.ceiling_tok_s / ll.throughput_tok_s, 3)}x least_loaded's, and the "
-                    f"proxy reaches {pct(ours.ceiling_share)} of it."
+                    f"proxy reaches {pct(ours.ceiling_share)} of it. Better affinity itself is "
+                    f"worth at most {fmt(ours.ceiling_tok_s / ll.ceiling_own_hits_tok_s, 3)}x "
+                    "least_loaded here (that ceiling over the same with least_loaded's own hits): "
+                    "the rest of the ceiling's lead is syncs, ramp-up, drain and real delays, "
+                    "which no placement removes."
                     if ll
                     else "unknown (least_loaded did not run)."
                 )
@@ -652,8 +739,9 @@ def _result_rows(results: Sequence[RunResult], sim: SimConfig) -> list[list[str]
                 f"{fmt(r.sync_max_real_s * 1e3, 0)} ({_sim_seconds(r.sync_mean_real_s, sim)} / "
                 f"{_sim_seconds(r.sync_max_real_s, sim)})",
                 fmt(r.paused_sim_s, 2),
+                f"{fmt(r.router_cpu_ms, 2)} / {fmt(r.sim_cpu_ms, 2)} / {fmt(r.client_cpu_ms, 2)}",
                 r.control,
-                fmt(r.imbalance_busy),
+                f"{fmt(r.imbalance_busy)} ({fmt(r.imbalance_before_drain)})",
                 f"{pct(r.hit_rate)} ({pct(r.oracle_ratio)})",
                 f"{r.errors}/{r.requests}",
             ]
@@ -670,8 +758,9 @@ RESULT_HEADERS = [
     "added per request p50 / p99: real ms (sim s)",
     "syncs: mean / max real ms (sim s)",
     "paused per replica (sim s)",
+    "CPU ms per request: router / simulator / client",
     "control calls",
-    "busy imbalance",
+    "busy imbalance (before the drain)",
     "hit rate (of oracle)",
     "errors",
 ]
@@ -859,7 +948,13 @@ DEFINITIONS = """
 - **added per request**: per request, client-observed real latency minus the replica's real
   time on it (simulated x time_scale), p50 / p99 over requests, in real milliseconds; in brackets
   what the simulation makes of it (real / time_scale, simulated seconds). It is the router's
-  hop, its CPU time and any queueing on this shared machine's two cores.
+  hop and CPU time, plus the harness's own real time, the same for every router: the
+  simulator parsing the request and serializing the answer, its timer waking late, the client
+  parsing the answer, and all of them queueing for this machine's two cores.
+- **CPU ms per request**: CPU time (user + system, from /proc) over the driven run divided by
+  the successful requests, for the router under test (process tree), the simulated fleet and
+  the client. The router's figure is what it costs a real host per request; the simulator's and
+  client's are the harness's load on the cores the router needs.
 - **syncs**: TRL's weight syncs (`/pause?mode=keep`, `/v1/load_lora_adapter`, `/resume`), how
   many, and their mean / max duration as the client saw it (first call sent to the last answer),
   real milliseconds and (simulated seconds). **paused per replica**: simulated seconds each
@@ -870,6 +965,10 @@ DEFINITIONS = """
   that sees every successful request at its send time, caches prompts at once and completions at
   the reply, and is cleared by every `/pause` (vLLM resets the prefix cache on pause).
 - **busy imbalance**: max / mean over replicas of simulated time spent prefilling or decoding.
+  In brackets, the same before the drain: from the start to the moment the last rollout
+  started (after it TRL only sends the remaining turns of the rollouts in flight, so a replica
+  holding one of the last long rollouts stays busy while the others idle, whoever placed it),
+  over each replica's requests as the client saw them (send to answer).
 """
 
 
@@ -932,6 +1031,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=",".join(n for n, s in ROUTERS.items() if not s.kv_events),
         help=f"comma-separated, from {sorted(ROUTERS)}",
     )
+    p.add_argument(
+        "--events-workloads",
+        default=None,
+        help="comma-separated workloads where proxy-events runs (its replicas publish KV "
+        "events, which costs CPU; default: every workload of the run)",
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--groups", type=int, default=None, help="prompts (default: the workload's)")
@@ -993,6 +1098,19 @@ def configs(args: argparse.Namespace) -> tuple[list[Workload], list[int]]:
     return chosen, sizes
 
 
+def events_workloads(args: argparse.Namespace, workloads: Sequence[Workload]) -> set[str]:
+    """The workloads where routers on KV-cache events (``proxy-events``) run: all by default."""
+    names = {w.name for w in workloads}
+    if args.events_workloads is None:
+        return names
+    chosen = {x for x in args.events_workloads.split(",") if x}
+    if not chosen <= names:
+        raise ValueError(
+            f"--events-workloads {sorted(chosen - names)} not among --workload {sorted(names)}"
+        )
+    return chosen
+
+
 def probe_interval(args: argparse.Namespace) -> float | None:
     if args.probe_interval == "own":
         return None
@@ -1051,10 +1169,14 @@ async def amain(argv: Sequence[str] | None = None) -> int:
     workloads, sizes = configs(args)
     interval = probe_interval(args)
     specs = select([x for x in args.routers.split(",") if x])
+    events_in = events_workloads(args, workloads)
     if any(s.kv_events for s in specs):
-        # Every router of the run faces the same publishing (and so equally loaded) replicas.
+        # Every router of a workload with event routers faces the same publishing (and so
+        # equally loaded) replicas; the other workloads' replicas publish nothing.
         workloads = [
             dataclasses.replace(w, sim=dataclasses.replace(w.sim, kv_events=True))
+            if w.name in events_in
+            else w
             for w in workloads
         ]
     log_dir = args.out / "tmp" / "logs"  # bench/results/tmp/ is git-ignored
@@ -1063,6 +1185,8 @@ async def amain(argv: Sequence[str] | None = None) -> int:
     for workload in workloads:
         for n in sizes:
             for spec in specs:
+                if spec.kv_events and workload.name not in events_in:
+                    continue
                 t0 = time.monotonic()
                 try:
                     r = await run_one(

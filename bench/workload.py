@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import aiohttp
+import orjson
 
 from bench.simulator import SimConfig, completion_length
 
@@ -361,6 +362,11 @@ def _parse_completion(data: Any) -> tuple[list[int], str]:
     return ids, str(data.get("id", ""))
 
 
+# The client's request bodies are serialized with orjson for the reason its answers are parsed
+# with it (Driver._request): the harness's CPU per request is kept off the router's cores.
+_JSON = {"Content-Type": "application/json"}
+
+
 @dataclass
 class Driver:
     """Replays a plan against ``base_url`` with TRL's concurrency and sync sequence."""
@@ -457,16 +463,20 @@ class Driver:
         completion: list[int] = []
         cached: int | None = None
         try:
-            async with session.post(self.base_url + "/v1/completions", json=body) as resp:
+            async with session.post(
+                self.base_url + "/v1/completions", data=orjson.dumps(body), headers=_JSON
+            ) as resp:
                 status = resp.status
                 header = resp.headers.get("X-Proxy-Replica")
                 if status == 200:
-                    data = await resp.json(content_type=None)
+                    # orjson: the client's CPU per answer (a few hundred token ids and their
+                    # logprobs) competes with the router under test; the same for every router.
+                    data = orjson.loads(await resp.read())
                     completion, rid = _parse_completion(data)
                     cached = _cached_tokens(data)
                 else:
                     error = f"HTTP {status}: {(await resp.text())[:200]}"
-        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:  # JSONDecodeError too
             error = f"{type(exc).__name__}: {exc}"
         record = RequestRecord(
             rollout=spec.index,
@@ -580,8 +590,8 @@ AGENTIC_WORKLOAD = WorkloadConfig(
     max_model_len=8192,
     # The recipe syncs every 512 completions; an agentic rollout makes ~7 requests: 64 rollouts.
     rollouts_per_version=64,
-    # 12 prompts x 8 = 96 rollouts (~650 requests, one sync): ~15-25 s of real time per run at
-    # time_scale 0.5, so that the 72-run matrix fits in ~35 minutes on the shared machine.
+    # 12 prompts x 8 = 96 rollouts (~650 requests, one sync): ~16-18 s of real time per run at
+    # time_scale 0.5 (measured quiet), so that the full matrix fits in ~30 minutes.
     groups=12,
 )
 # Turns of 100-500 tokens: lognormal median 250, sigma 0.4 (p5 ~130, p95 ~480), capped at 500 by
@@ -598,10 +608,11 @@ WORKLOADS: dict[str, Workload] = {
             "them with 1-2 tool turns: decode-bound",
             # 64 prompts x 8 = 512 rollouts (~750 requests, one sync at 256 rollouts).
             WorkloadConfig(groups=64),
-            # time_scale 0.2 rather than the simulator's 0.1: on this shared 2-core machine a
-            # request picks up tens to hundreds of real ms of CPU contention, which 0.1 would
-            # magnify 10x into simulated seconds (bench/README.md).
-            SimConfig(time_scale=0.2),
+            # time_scale 0.5, as agentic: measured on the quiet machine (grpo x8, 2026-12-01),
+            # a request through rollout-proxy spends 18 ms real outside the simulated engine
+            # (vllm-router 12, sglang-router 10); 0.2 made that 90 ms simulated against a 2.4 s
+            # p50 (3.7%), 0.5 makes it 36 ms (1.5%), and a grpo run takes ~25 s instead of ~12.
+            SimConfig(time_scale=0.5),
         ),
         Workload(
             "agentic",

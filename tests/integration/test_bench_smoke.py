@@ -63,7 +63,13 @@ def _check_routing(out: Path, routers: list[str]) -> None:
             r["added_p50_ms"],
             r["added_p99_ms"],
             r["ceiling_tok_s"],
+            r["router_cpu_ms"],
+            r["sim_cpu_ms"],
+            r["client_cpu_ms"],
         ), r
+        # Every process of the run did work for each request (a router that forwards bytes
+        # included), and the report shows it.
+        assert min(r["router_cpu_ms"], r["sim_cpu_ms"], r["client_cpu_ms"]) > 0, r
         # The smoke plan publishes three adapter versions: two syncs, each freezing replicas.
         assert r["syncs"] == 2 and r["paused_sim_s"] > 0
         assert r["sync_max_real_s"] >= r["sync_mean_real_s"] > 0

@@ -10,9 +10,12 @@ from bench.routers import ROUTERS, rust_router_argv
 from bench.run_routing import (
     RunResult,
     _added_latency_ms,
+    _busy_before_drain,
     _parse_args,
     _targets,
+    _union_seconds,
     configs,
+    events_workloads,
     probe_interval,
 )
 from bench.simulator import SimConfig
@@ -34,6 +37,17 @@ def test_workloads_and_fleet_sizes_are_selectable() -> None:
     assert sizes == [2] and smoke.workload.groups == 6 and smoke.sim.time_scale == 0.01
     with pytest.raises(ValueError, match="unknown workload"):
         configs(_parse_args(["--workload", "chat"]))
+
+
+def test_event_routers_run_in_the_workloads_named() -> None:
+    args = _parse_args(["--workload", "grpo,tight"])
+    workloads, _ = configs(args)
+    assert events_workloads(args, workloads) == {"grpo", "tight"}
+    args = _parse_args(["--workload", "grpo,tight", "--events-workloads", "tight"])
+    assert events_workloads(args, workloads) == {"tight"}
+    args = _parse_args(["--workload", "grpo", "--events-workloads", "tight"])
+    with pytest.raises(ValueError, match="not among --workload"):
+        events_workloads(args, configs(args)[0])
 
 
 def test_probe_interval_is_simulated_seconds_or_each_routers_own() -> None:
@@ -110,3 +124,27 @@ def test_targets_met_and_cells_without_the_proxy_are_skipped() -> None:
     rows, notes = _targets(results)
     assert len(rows) == 1 and rows[0][-1] == "all met" and notes == []
     assert math.isnan(RunResult("x", 2, "ok").throughput_tok_s)
+
+
+def _turn(rid: str, turn: int, t_send: float, t_recv: float) -> RequestRecord:
+    return RequestRecord(0, turn, "m", "/p", t_send, t_recv, [1], [2], 200, response_id=rid)
+
+
+def test_busy_imbalance_before_the_drain_ignores_the_last_rollouts_tail() -> None:
+    trace = RunTrace(t_start=0.0, t_end=20.0)
+    trace.records = [
+        # Until the last rollout starts at t=10, both replicas are busy 0-10 (overlaps count once).
+        _turn("cmpl-sim0-1", 0, 0.0, 6.0),
+        _turn("cmpl-sim0-2", 0, 4.0, 10.0),
+        _turn("cmpl-sim1-1", 0, 0.0, 10.0),
+        # The last rollout starts on replica 1 and its turns keep it busy alone until t=20.
+        _turn("cmpl-sim1-2", 0, 10.0, 15.0),
+        _turn("cmpl-sim1-3", 1, 15.0, 20.0),
+    ]
+    imbalance, drain_share = _busy_before_drain(trace)
+    assert imbalance == pytest.approx(1.0) and drain_share == pytest.approx(0.5)
+    # A replica idle before the drain pulls the mean down.
+    trace.records[0:2] = [_turn("cmpl-sim0-1", 0, 0.0, 2.0), _turn("cmpl-sim0-2", 0, 8.0, 10.0)]
+    imbalance, _ = _busy_before_drain(trace)
+    assert imbalance == pytest.approx(10.0 / 7.0)
+    assert _union_seconds([(0.0, 3.0), (1.0, 2.0), (5.0, 9.0)], 0.0, 8.0) == pytest.approx(6.0)
