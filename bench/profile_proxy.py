@@ -30,6 +30,10 @@ DEFAULT_OUT = REPO / "bench" / "results"
 
 # Inclusive-time buckets, first match wins (checked against every frame of a stack).
 BUCKETS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    # With --native: C frames. A socket syscall or a collection is where the sample was, whoever
+    # called it (on loopback a send also runs the receiver's TCP stack, in the sender's context).
+    ("socket write/read syscalls (libc, with --native)", ("write (libc", "read (libc")),
+    ("cyclic garbage collector (with --native)", ("gc_collect",)),
     ("logging (log records, formatting, stream writes)", ("logging/",)),
     ("prometheus_client (metrics updates)", ("prometheus_client/",)),
     ("httpx / httpx-aiohttp / aiohttp client (upstream call)", ("httpx", "aiohttp/client")),
@@ -39,7 +43,7 @@ BUCKETS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("FastAPI / Starlette request handling", ("fastapi/", "starlette/")),
     (
         "data path: guard, parse, retry loop, answer (hotpath, dataplane, security)",
-        ("proxy/hotpath", "proxy/dataplane", "proxy/security", "proxy/relay"),
+        ("proxy/front", "proxy/hotpath", "proxy/dataplane", "proxy/security", "proxy/relay"),
     ),
     ("uvicorn HTTP server (httptools protocol)", ("uvicorn/",)),
     ("asyncio event loop and socket transports", ("asyncio/",)),
@@ -90,6 +94,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--env", action="append", default=[], help="KEY=VALUE for the proxy")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--top", type=int, default=30)
+    p.add_argument(
+        "--native", action="store_true", help="sample C frames too (syscalls, GC, orjson)"
+    )
     p.add_argument("--body", choices=BODIES, default="distinct64", help="workload (distinct64)")
     args = p.parse_args(argv)
     tools = {t: find_tool(t) for t in ("nginx", "wrk", "py-spy")}
@@ -143,6 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "-f",
                 "raw",
                 "--nolineno",
+                *(["--native"] if args.native else []),
                 "-o",
                 str(raw),
             ]
