@@ -7,6 +7,7 @@ the replicas. Adapter names are unique to this module (the replicas outlive it).
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -161,3 +162,26 @@ def test_pause_with_cache_clearing_leaves_proxy_index_and_vllm_cold(
     # The proxy no longer claims a warm replica, and indeed no replica had the prompt cached.
     assert _decisions(http, proxy, "unmatched") == unmatched + 1
     assert sum(a.hits - b.hits for a, b in zip(after, before, strict=True)) == 0
+
+
+def test_a_stream_through_the_proxy_front_equals_the_buffered_answer(
+    vllm_pair: VllmPair, proxy: ProxyProcess, http: httpx.Client, rng: random.Random
+) -> None:
+    """Completions reach real vLLM through the proxy's protocol front (proxy/front.py): a
+    streamed answer arrives as vLLM's SSE events, chunk-framed and complete, with the same
+    tokens as the buffered answer to the same seeded request, and the connection stays usable."""
+    prompt = random_prompt(rng, 40)
+    body = trl_completion_body(vllm_pair.served_name, prompt, max_tokens=12)
+    buffered = http.post(proxy.url + "/v1/completions", json=body)
+    assert buffered.status_code == 200, buffered.text
+    events: list[str] = []
+    with http.stream("POST", proxy.url + "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["transfer-encoding"] == "chunked"
+        assert r.headers["x-proxy-replica"] in ("0", "1")
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    streamed = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+    assert streamed == buffered.json()["choices"][0]["text"]
+    assert http.post(proxy.url + "/v1/completions", json=body).status_code == 200
