@@ -203,8 +203,8 @@ def test_fsdp2_checkpoint_is_sharded_and_holds_the_published_adapter(
     assert len(shards) >= PROCESSES, f"not a sharded checkpoint: {sorted(checkpoint.rglob('*'))}"
     trained = _sharded_adapter(checkpoint)
     # The last checkpoint is saved after its step's sync, which published the next version from
-    # the same weights: every
-    # element of every adapter tensor, both ranks' halves, must be what the replicas were given.
+    # the same weights: every element of every adapter tensor, both ranks' halves, must be what
+    # the replicas were given.
     published = _published_adapter(stack.out / "final-adapter")
     _same_tensors(published, trained)
     assert any(float(t.abs().sum()) > 0 for k, t in trained.items() if "lora_B" in k)
