@@ -20,6 +20,7 @@ from proxy.app import create_app
 from proxy.settings import Settings
 from tests.support.fake_vllm import FakeVllm
 from tests.support.servers import ServerThread, free_port
+from tests.support.traffic import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 BODY = {"model": "tiny/base", "prompt": [1, 2, 3], "max_tokens": 4}
@@ -97,14 +98,6 @@ def completion_arrived(fake: FakeVllm) -> bool:
     return any(path == "/v1/completions" for _, path, _ in fake.calls)
 
 
-def wait_until(condition: Any, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.02)
-
-
 @pytest.fixture
 def held_replica() -> Any:
     fake = FakeVllm(name="r0", hang_completions=True)
@@ -118,7 +111,7 @@ def test_sigterm_answers_a_held_request_503_after_the_grace_and_exits_0(held_rep
     proxy = ProxyProcess(server.url, grace_s=1.5)
     try:
         thread, result = post_in_background(proxy.url)
-        wait_until(lambda: completion_arrived(fake))
+        wait_until(lambda: completion_arrived(fake), timeout=10)
         signalled = time.monotonic()
         proxy.signal(signal.SIGTERM)
         status = proxy.wait(timeout=15)
@@ -143,7 +136,7 @@ def test_a_request_that_finishes_within_the_grace_is_answered(held_replica) -> N
     proxy = ProxyProcess(server.url, grace_s=20)
     try:
         thread, result = post_in_background(proxy.url)
-        wait_until(lambda: fake.in_flight == 1)
+        wait_until(lambda: fake.in_flight == 1, timeout=10)
         proxy.signal(signal.SIGTERM)
         status = proxy.wait(timeout=15)
         thread.join(timeout=10)
@@ -158,7 +151,7 @@ def test_a_second_signal_exits_at_once(held_replica) -> None:
     proxy = ProxyProcess(server.url, grace_s=60)
     try:
         post_in_background(proxy.url)
-        wait_until(lambda: completion_arrived(fake))
+        wait_until(lambda: completion_arrived(fake), timeout=10)
         proxy.signal(signal.SIGTERM)
         time.sleep(0.5)
         assert proxy.proc.poll() is None  # still in its grace period
