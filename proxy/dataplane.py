@@ -150,8 +150,7 @@ class DataPlane:
             decision = self.router.route(
                 key, [(r.index, r.in_flight + r.queue_depth) for r in eligible], lora_path
             )
-            self.metrics.decision_for(decision.outcome).inc()
-            self.metrics.matched_blocks.observe(decision.matched_blocks)
+            self.metrics.count_decision(decision.outcome, decision.matched_blocks)
             replica = self.fleet.replicas[decision.replica]
             tried.add(replica.index)
             label = str(replica.index)
@@ -209,7 +208,7 @@ class DataPlane:
             await reply.close()
             upstream_s = time.perf_counter() - sent_at
             self._track(replica, -1)
-            self.metrics.upstream_for(route, label).observe(upstream_s)
+            self.metrics.observe_upstream(route, label, upstream_s)
             self.metrics.count_request(route, label, reply.status)
             if reply.status == 200 and key.tokens is not None and key.num_prompts == 1:
                 self._remember_completion(key, decision, reply.body, lora_path)
@@ -236,7 +235,7 @@ class DataPlane:
                     },
                 )
             result = RelayedBody(reply, replica.index, request_id, self.guard)
-            self.metrics.proxy_for(route).observe(time.perf_counter() - started - upstream_s)
+            self.metrics.observe_proxy(route, time.perf_counter() - started - upstream_s)
             return result
 
     def _remember_completion(
@@ -255,9 +254,9 @@ class DataPlane:
     def stream_finished(self, stream: RelayedStream) -> None:
         label = str(stream.replica.index)
         self._track(stream.replica, -1)
-        self.metrics.upstream_for(stream.route, label).observe(time.perf_counter() - stream.sent_at)
+        self.metrics.observe_upstream(stream.route, label, time.perf_counter() - stream.sent_at)
         self.metrics.count_request(stream.route, label, stream.reply.status)
-        self.metrics.proxy_for(stream.route).observe(stream.routed)
+        self.metrics.observe_proxy(stream.route, stream.routed)
 
 
 def _raw_headers(reply: Reply, replica: int, request_id: str) -> list[tuple[bytes, bytes]]:
