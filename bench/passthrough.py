@@ -11,7 +11,8 @@ moves with it; ``aiohttp`` is the previous floor. ``--front protocol`` serves th
 rollout-proxy serves completions by default (proxy/front.py: from uvicorn's protocol object,
 no ASGI messages) with the lean client: the floor of the proxy's own architecture
 (run_overhead's ``floor-protocol``), so what rollout-proxy costs above it is its routing,
-validation and bookkeeping alone.
+validation and bookkeeping alone. ``--front min`` is bench/minrelay.py: the least a Python relay
+can do (``floor-min``), the yardstick for the front and client themselves.
 """
 
 from __future__ import annotations
@@ -131,11 +132,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--backends", required=True, help="comma-separated base URLs")
     p.add_argument("--client", choices=("lean", "aiohttp"), default="lean")
-    p.add_argument("--front", choices=("asgi", "protocol"), default="asgi")
+    p.add_argument("--front", choices=("asgi", "protocol", "min"), default="asgi")
     args = p.parse_args(argv)
     import uvicorn
 
     backends = [u.strip().rstrip("/") for u in args.backends.split(",") if u.strip()]
+    if args.front == "min":
+        from bench.minrelay import run
+
+        run(args.port, backends)
+        return 0
     app = Passthrough(backends, args.client)
     http: Any = "auto"
     if args.front == "protocol":

@@ -134,6 +134,13 @@ TARGETS: dict[str, Target] = {
             args=("--client", "lean", "--front", "protocol"),
         ),
         Target(
+            "floor-min",
+            "bench/minrelay.py: uvloop + httptools on both sides and nothing else (no timeouts, "
+            "no validation): the least a Python relay costs here",
+            "py-floor",
+            args=("--front", "min"),
+        ),
+        Target(
             "floor-aiohttp",
             "bare ASGI app on uvicorn + one aiohttp session, round robin",
             "py-floor",
