@@ -117,7 +117,7 @@ class FrontProtocol(HttpToolsProtocol):
         scope["raw_path"] = self.url
         scope["query_string"] = b""
         hot = self.hot = _Hot(route, scope, version != "1.0" and parser.should_keep_alive())
-        problem = self.data_path.guard.check_head(scope)
+        problem = self.data_path.guard.check_data_route_head(scope)
         if problem is None:
             return
         if isinstance(problem, PayloadTooLarge):

@@ -58,7 +58,20 @@ class Guard:
         bad = path_problem(path, scope.get("raw_path"))
         if bad is not None:
             return InvalidRequest(bad)
-        plane = classify(path)
+        return self._check_key_and_length(scope, path, classify(path))
+
+    def check_data_route_head(self, scope: Scope) -> ProxyError | None:
+        """``check_head`` for a request whose path the caller matched exactly against one of
+        the proxy's own canonical data-plane routes (proxy/front.py's completions): the path
+        checks are known to pass, the plane is DATA; the rest is checked alike, in order."""
+        size = len(scope["raw_path"])
+        for k, v in scope["headers"]:
+            size += len(k) + len(v) + 4
+        if size > self.max_header_bytes:
+            return self.check_head(scope)  # the same 431, said the same way
+        return self._check_key_and_length(scope, scope["path"], Plane.DATA)
+
+    def _check_key_and_length(self, scope: Scope, path: str, plane: Plane) -> ProxyError | None:
         if plane is not Plane.OPEN and self.keys.enabled:
             raw = header(scope, b"authorization")
             role = self.keys.role(credential_from(raw.decode("latin-1") if raw else None))
