@@ -23,6 +23,8 @@ import sys
 from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
 
+from proxy.hotpath import WholeAnswer
+
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
@@ -92,13 +94,6 @@ class Passthrough:
         await send({"type": "http.response.body", "body": body})
 
 
-class _Answer:
-    __slots__ = ("body", "raw_headers", "status_code")
-
-    def __init__(self, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
-        self.status_code, self.raw_headers, self.body = status, headers, body
-
-
 class RoundRobinPath:
     """What proxy/front.py needs of a data path (``guard``, ``respond``, ``error``), doing
     nothing but forwarding to the next backend with the lean client."""
@@ -112,19 +107,19 @@ class RoundRobinPath:
         self.pool = LeanPool(connect_timeout=5, read_timeout=60, ssl_context=True, fixed_headers={})
         self.guard = Guard(KeyRing(), max_body_bytes=2**26, max_header_bytes=2**16)
 
-    async def respond(self, route: str, scope: Scope, raw: bytes, started: float) -> _Answer:
+    async def respond(self, route: str, scope: Scope, raw: bytes, started: float) -> WholeAnswer:
         reply = await self.pool.post(0, next(self._next), scope["path"], raw, JSON_HEADERS, False)
         ctype = reply.headers.get("content-type", "").encode()
         body = reply.body
-        return _Answer(
+        return WholeAnswer(
             reply.status,
             [(b"content-type", ctype), (b"content-length", str(len(body)).encode())],
             body,
         )
 
-    def error(self, route: str, exc: Exception) -> _Answer:
+    def error(self, route: str, exc: Exception) -> WholeAnswer:
         body = str(exc).encode()
-        return _Answer(500, [(b"content-length", str(len(body)).encode())], body)
+        return WholeAnswer(500, [(b"content-length", str(len(body)).encode())], body)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

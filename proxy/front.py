@@ -148,9 +148,7 @@ class FrontProtocol(HttpToolsProtocol):
         if hot.done:
             return
         if hot.problem is not None:
-            answer = self.data_path.error(hot.route, hot.problem)
-            self._write_whole(hot, answer.status_code, answer.raw_headers, answer.body)
-            self._finish(hot)
+            self._answer_error(hot, hot.problem)
             return
         # Reading goes on while this is answered, so that a client leaving is seen at once; a
         # request pipelined behind this one is parsed and queued (``_start_asgi_task``).
@@ -249,8 +247,12 @@ class FrontProtocol(HttpToolsProtocol):
             await stream.finish()
 
     def _refuse(self, hot: _Hot, problem: ProxyError) -> None:
+        """Answer ``problem`` before the body is read, and close: the rest is not wanted."""
         hot.keep_alive = False
         hot.done = True
+        self._answer_error(hot, problem)
+
+    def _answer_error(self, hot: _Hot, problem: ProxyError) -> None:
         answer = self.data_path.error(hot.route, problem)
         self._write_whole(hot, answer.status_code, answer.raw_headers, answer.body)
         self._finish(hot)

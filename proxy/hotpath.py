@@ -74,8 +74,9 @@ def request_id(headers: list[tuple[bytes, bytes]]) -> str:
     return f"{_ID_PREFIX}-{next(_ids)}"
 
 
-class ErrorAnswer:
-    """An error the proxy answers itself: status, headers (with content-length), JSON body."""
+class WholeAnswer:
+    """An answer written in one go: status, headers (with content-length), body. The proxy's
+    own errors are these (and bench/passthrough.py's floor answers with them)."""
 
     __slots__ = ("body", "raw_headers", "status_code")
 
@@ -117,7 +118,7 @@ class DataPath:
 
     async def respond(
         self, route: str, scope: Scope, raw: bytes, started: float
-    ) -> RelayedBody | RelayedStream | ErrorAnswer:
+    ) -> RelayedBody | RelayedStream | WholeAnswer:
         """The answer to one completion whose head passed the guard: a relayed answer, or the
         OpenAI-shaped error that explains why there is none. Raises only a cancellation that is
         not the shutdown's (the client left)."""
@@ -133,12 +134,12 @@ class DataPath:
             log.exception("unhandled error on %s", scope["path"])
             return self.error(route, ProxyError("internal proxy error"))
 
-    def error(self, route: str, exc: ProxyError) -> ErrorAnswer:
+    def error(self, route: str, exc: ProxyError) -> WholeAnswer:
         self.metrics.count_request(route, "none", exc.status_code)
         status, headers, _ = error_response_parts(exc)
         body = orjson.dumps(self.render_error(exc))
         headers[1] = (b"content-length", str(len(body)).encode())
-        return ErrorAnswer(status, headers, body)
+        return WholeAnswer(status, headers, body)
 
     async def serve(self, scope: Scope, receive: Receive, send: Send, route: str) -> None:
         """The ASGI entry (any ASGI server; proxy/front.py serves the same from uvicorn's
@@ -150,12 +151,12 @@ class DataPath:
                 raise problem
             raw = await self._body(receive)
         except ProxyError as exc:
-            answer: RelayedBody | RelayedStream | ErrorAnswer = self.error(route, exc)
+            answer: RelayedBody | RelayedStream | WholeAnswer = self.error(route, exc)
         else:
             if raw is None:
                 return  # the client left before sending its body
             answer = await self.respond(route, scope, raw, started)
-        if isinstance(answer, ErrorAnswer):
+        if isinstance(answer, WholeAnswer):
             await send_whole(send, answer.status_code, answer.raw_headers, answer.body)
             return
         try:
