@@ -132,6 +132,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     import uvicorn
 
     backends = [u.strip().rstrip("/") for u in args.backends.split(",") if u.strip()]
+    # The proxy's own collector settings (proxy/server.py), so floor and proxy compare alike.
+    from proxy.server import settle_garbage_collector
+
+    settle_garbage_collector()
     if args.front == "min":
         from bench.minrelay import run
 
