@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 
+from proxy.core.extract import RoutingKey
 from tests.support.fake_vllm import FakeVllm
 from tests.support.traffic import wait_until
 
@@ -111,6 +112,28 @@ def test_continuation_follows_its_prefix(make_fleet) -> None:
         cont = p + [rng.randrange(50_000) for _ in range(30)] + [5, 5]
         r = h.client.post("/v1/completions", json=rollout("trl-policy-v1", cont, turn))
         assert r.headers["x-proxy-replica"] == home
+
+
+def test_a_multi_turn_continuation_follows_the_replica_that_generated_its_turn(
+    make_fleet,
+) -> None:
+    """The next turn is prompt + generated ids + tool output: the generated blocks are learned
+    from the answer (right after it is written), so the index knows prompt + completion."""
+    h = make_fleet(3)
+    load(h, "trl-policy-v1")
+    rng = random.Random(7)
+    rt = h.app.state.rt
+    p = make_prompt(rng)
+    first = h.client.post("/v1/completions", json=rollout("trl-policy-v1", p, 0))
+    generated = first.json()["choices"][0]["token_ids"]
+    turn = p + generated
+    key = RoutingKey("trl-policy-v1", turn, None, None, False, 1)
+    blocks = rt.router.block_keys(key, rt.fleet.lora_path("trl-policy-v1"))
+    assert len(blocks) > len(p) // 16  # the completion fills blocks of its own
+    assert len(rt.router.index.lookup(blocks)) == len(blocks)
+    cont = turn + [rng.randrange(50_000) for _ in range(40)]
+    r = h.client.post("/v1/completions", json=rollout("trl-policy-v1", cont, 1))
+    assert r.headers["x-proxy-replica"] == first.headers["x-proxy-replica"]
 
 
 def test_new_adapter_version_starts_unmatched(make_fleet) -> None:
