@@ -130,7 +130,8 @@ def test_a_multi_turn_continuation_follows_the_replica_that_generated_its_turn(
     key = RoutingKey("trl-policy-v1", turn, None, None, False, 1)
     blocks = rt.router.block_keys(key, rt.fleet.lora_path("trl-policy-v1"))
     assert len(blocks) > len(p) // 16  # the completion fills blocks of its own
-    assert len(rt.router.index.lookup(blocks)) == len(blocks)
+    # Learned on the proxy's loop right after the answer is written: at once, in practice.
+    wait_until(lambda: len(rt.router.index.lookup(blocks)) == len(blocks), 5)
     cont = turn + [rng.randrange(50_000) for _ in range(40)]
     r = h.client.post("/v1/completions", json=rollout("trl-policy-v1", cont, 1))
     assert r.headers["x-proxy-replica"] == first.headers["x-proxy-replica"]
