@@ -449,7 +449,9 @@ class PreciseMatcher:
         self._live_mask = live
         self._keys = event_keys
         if live and known and not any(d > common for d in reach.values()):
-            return self._rollout_home(index, values, branching[:known], eligible, replicas)
+            home = self._rollout_home(index, values, branching[:known], eligible, replicas)
+            if home is not None:
+                return home
         return reach, common
 
     @staticmethod
@@ -459,9 +461,10 @@ class PreciseMatcher:
         branching: Sequence[bool],
         eligible: int,
         replicas: Sequence[int],
-    ) -> tuple[dict[int, int], int]:
-        """The request's scoring when the views leave no replica anything specific: the
-        index's alone (it equals the views' answer when the index has nothing specific either).
+    ) -> tuple[dict[int, int], int] | None:
+        """When the views leave no replica anything specific: the index's own scoring of the
+        request if it credits some replica with a specific prefix, else None (the views'
+        answer stands, and load decides).
 
         Why. The views then say the request's own blocks are gone everywhere, so it prefills
         the same wherever it goes; what still differs is the future. The index remembers the
@@ -469,10 +472,11 @@ class PreciseMatcher:
         cache working on its own rollouts, where placing it by load moves it, and a moved
         rollout's next turns and its group's remaining rollouts rebuild their history in a
         second cache while the first still holds what survived of it. Measured on the tight
-        workload at 2 replicas (bench/results/kv_events.md): the index, which does this, kept
-        5% of continuations "unmatched" against 15-27% for the views alone, and lost fewer
-        hits. The prediction recorded for the replica's answer stays the views' own."""
-        return prefix_reach(index.held(values, eligible), branching, eligible, replicas)
+        workload (bench/results/kv_events.md): "unmatched" decisions fell from 11-15% to 2-5%
+        (the index's own share) and events stopped losing hits at 4 and 16 replicas. The
+        prediction recorded for the replica's answer stays the views' own."""
+        reach, common = prefix_reach(index.held(values, eligible), branching, eligible, replicas)
+        return (reach, common) if any(d > common for d in reach.values()) else None
 
     def routed(self, decision: object, replica: int) -> None:
         """The last ``specific_matches`` request went to ``replica``: its blocks count as held

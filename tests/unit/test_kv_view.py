@@ -368,9 +368,14 @@ def test_what_a_view_holds_beats_the_index_memory_of_the_rollout() -> None:
     assert matcher.specific_matches(index, keys, keys, [0, 1]) == {0: 2, 1: 0}
 
 
-def test_with_nothing_specific_anywhere_the_views_answer_stands() -> None:
+@pytest.mark.parametrize("sent_to", [[], [0, 1]])
+def test_with_nothing_specific_anywhere_the_views_answer_stands(sent_to: list[int]) -> None:
+    """Neither source prefers a replica (the index never saw the prompt, or sent it to every
+    replica): the views' reach and common depth stand, and load decides."""
     index = PrefixIndex(1000)
     prompt = chain(3)
+    for r in sent_to:
+        index.record(prompt, r)
     views = {0: live_view(), 1: live_view()}
     for view in views.values():
         view.apply(1, batch(stored(*prompt)))
