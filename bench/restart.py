@@ -65,15 +65,22 @@ async def run_with_restart(
     ``retire()`` the old one (in a thread: it waits for the process). Writes when the switch
     happened, in simulated seconds from the run's start (the dumps' unit), to ``record``."""
     run = asyncio.create_task(driver.run(plan))
-    if after and await _answered(driver, after, run):
-        url = await restart()
-        if driver.control.targets == [driver.base_url]:  # the router broadcasts control calls
-            driver.control.targets = [url]
-        driver.base_url = url
-        at = (time.monotonic() - driver.trace.t_start) / time_scale
-        line = json.dumps({"restarted_at": at, "after_requests": after}) + "\n"
-        await asyncio.to_thread(_write, record, line)
-        await asyncio.to_thread(retire)
+    try:
+        if after and await _answered(driver, after, run):
+            url = await restart()
+            if driver.control.targets == [driver.base_url]:  # the router broadcasts control
+                driver.control.targets = [url]
+            driver.base_url = url
+            at = (time.monotonic() - driver.trace.t_start) / time_scale
+            line = json.dumps({"restarted_at": at, "after_requests": after}) + "\n"
+            await asyncio.to_thread(_write, record, line)
+            await asyncio.to_thread(retire)
+    except BaseException:
+        # A new router that never came up fails this run; its rollouts must not go on
+        # running into the next one (the runner's event loop outlives a run).
+        run.cancel()
+        await asyncio.gather(run, return_exceptions=True)
+        raise
     await run
 
 

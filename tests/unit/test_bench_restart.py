@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from bench.restart import after_restart, restart_after
+from bench.restart import after_restart, restart_after, run_with_restart
 from bench.workload import RolloutSpec, TurnSpec
 
 
@@ -51,3 +54,66 @@ def test_hits_after_the_restart_and_each_rollouts_first_turn_after_it(tmp_path: 
     assert n == 3
     assert later == pytest.approx(900 / 1200)
     assert first == pytest.approx(400 / 700)
+
+
+class FakeDriver:
+    """What run_with_restart touches of bench.workload.Driver: answers one request per tick."""
+
+    def __init__(self, requests: int) -> None:
+        self.base_url = "http://old"
+        self.control = SimpleNamespace(targets=["http://old"])
+        self.trace = SimpleNamespace(records=[], t_start=0.0)
+        self.requests = requests
+        self.urls: list[str] = []
+
+    async def run(self, plan: object) -> None:
+        self.trace.t_start = time.monotonic()
+        for i in range(self.requests):
+            await asyncio.sleep(0.001)
+            self.urls.append(self.base_url)
+            self.trace.records.append(i)
+
+
+async def test_the_driver_and_its_control_calls_move_to_the_new_router(tmp_path: Path) -> None:
+    driver = FakeDriver(40)
+    retired: list[bool] = []
+
+    async def restart() -> str:
+        return "http://new"
+
+    record = tmp_path / "logs" / "restart-x.json"
+    await run_with_restart(
+        driver,
+        [],
+        10,
+        restart,
+        lambda: retired.append(True),
+        record,
+        0.5,  # type: ignore[arg-type]
+    )
+    assert driver.urls[:10] == ["http://old"] * 10 and driver.urls[-1] == "http://new"
+    assert driver.control.targets == ["http://new"] and retired == [True]
+    assert json.loads(record.read_text())["after_requests"] == 10
+
+
+async def test_a_router_that_never_comes_up_fails_the_run_and_stops_its_rollouts(
+    tmp_path: Path,
+) -> None:
+    driver = FakeDriver(10_000)
+
+    async def restart() -> str:
+        raise TimeoutError("not routing")
+
+    with pytest.raises(TimeoutError):
+        await run_with_restart(
+            driver,
+            [],
+            5,
+            restart,
+            lambda: None,
+            tmp_path / "r.json",
+            0.5,  # type: ignore[arg-type]
+        )
+    answered = len(driver.trace.records)
+    await asyncio.sleep(0.02)
+    assert len(driver.trace.records) == answered < 10_000  # cancelled, not still running
