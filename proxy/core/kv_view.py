@@ -360,7 +360,9 @@ class PreciseMatcher:
     seen two different continuations of it that do not end a request there. Holding comes from
     the replica's live view, else from the index; branching comes from the index, which keeps
     recording every routed request whichever source scores it. With no live view the result is
-    exactly ``Router.specific_matches`` (a property test checks it).
+    exactly ``Router.specific_matches`` (a property test checks it). When the live views leave
+    no replica anything specific but the index does, the index scores the request
+    (``_rollout_home`` says why).
 
     It also remembers, per routed decision, how many prompt blocks the chosen replica was
     expected to hold (``predict``), so the replica's reported hit can be compared with it.
