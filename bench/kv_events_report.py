@@ -1,10 +1,18 @@
 """What the routing benchmark reports about ``proxy-events`` runs: the proxy's KV-event views
 (batches, gaps, views live at the end) and how often its expected cached tokens equalled what
-the replica reported (``rollout_proxy_kv_prediction_*``), read from the proxy's /metrics."""
+the replica reported (``rollout_proxy_kv_prediction_*``), read from the proxy's /metrics.
+
+    python -m bench.kv_events_report OUT/routing.json
+
+prints the side-by-side table of bench/results/kv_events.md from a run's routing.json."""
 
 from __future__ import annotations
 
+import argparse
+import json
+import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -69,3 +77,69 @@ def kv_events_section(results: Sequence[Any]) -> str:
         "back to the index); *predictions exact*: of those, the share whose expected cached "
         "tokens equalled the replica's `usage.prompt_tokens_details.cached_tokens`.\n"
     )
+
+
+def comparison(raw: dict[str, Any], workload: str = "tight") -> str:
+    """The side-by-side table of bench/results/kv_events.md from a run's routing.json: every
+    router of ``workload`` per fleet size, with the routing outcomes and, for proxy-events, how
+    often its predicted cached tokens were exact (over / under)."""
+    rows = []
+    runs = [r for r in raw["results"] if r["workload"] == workload and r["status"] == "ok"]
+    for r in sorted(runs, key=lambda r: r["replicas"]):
+        decisions = r.get("decisions") or {}
+        routed = sum(decisions.values()) or 1.0
+        kv = r.get("kv_events") or {}
+        made = sum(kv.get(f"prediction_events_{x}", 0.0) for x in ("exact", "over", "under"))
+        predictions = (
+            f"{pct(kv['prediction_events_exact'] / made, 0)} "
+            f"({pct(kv['prediction_events_over'] / made, 0)} / "
+            f"{pct(kv['prediction_events_under'] / made, 0)})"
+            if made
+            else "-"
+        )
+        rows.append(
+            [
+                str(r["replicas"]),
+                r["router"],
+                f"{pct(r['hit_rate'])} ({pct(r['oracle_ratio'])})",
+                f"{r['throughput_tok_s']:.0f}",
+                f"{r['p50_s']:.2f} / {r['p99_s']:.2f}",
+                f"{r['router_cpu_ms']:.1f}",
+                f"{r['added_p50_ms']:.0f}",
+                " / ".join(pct(decisions.get(o, 0.0) / routed, 0) for o in _OUTCOMES),
+                predictions,
+            ]
+        )
+    head = [
+        "replicas",
+        "router",
+        "hit rate (of oracle)",
+        "throughput tok/s",
+        "p50 / p99 s",
+        "router CPU ms/request",
+        "added real ms p50",
+        "affinity / spilled / unmatched",
+        "predictions exact (over / under)",
+    ]
+    return table(head, rows)
+
+
+_OUTCOMES = ("affinity", "spilled", "unmatched")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.kv_events_report",
+        description="proxy vs proxy-events side by side, from a run_routing routing.json",
+    )
+    p.add_argument("routing_json", type=Path)
+    p.add_argument("--workload", default="tight")
+    args = p.parse_args(argv)
+    raw = json.loads(args.routing_json.read_text())
+    print(comparison(raw, args.workload), end="")
+    print(f"\n`{raw['command']}`; measured {raw.get('measured_at', '?')}, {raw['wall_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

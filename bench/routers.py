@@ -7,6 +7,9 @@
 - ``proxy-events``: rollout-proxy, default policy, scoring replicas on their KV-cache events
   (``PROXY_KV_EVENTS``); the simulator then publishes them (vLLM's wire format,
   bench/kv_events_publisher.py).
+- ``proxy-exact``: ``proxy`` with vLLM's exact block hashes (``PROXY_HASH_MODE=exact``), the
+  hashing ``proxy-events`` needs, without its views: separates the events router's CPU cost
+  from its routing decisions.
 - ``vllm-router``: the vLLM project's Rust router (PyPI ``vllm-router``), ``--policy cache_aware``.
 - ``sglang-router``: SGLang's Rust router (PyPI ``sglang-router``), ``--policy cache_aware``.
 
@@ -95,6 +98,13 @@ ROUTERS: dict[str, RouterSpec] = {
             "rollout-proxy, default policy on the replicas' KV-cache events",
             env={"PROXY_KV_EVENTS": "true"},
             kv_events=True,
+        ),
+        # proxy-events' CPU without its views: vLLM's exact (sha256) block hashes on the index,
+        # to tell what the events router loses to its real-time cost from what its decisions do.
+        RouterSpec(
+            "proxy-exact",
+            "rollout-proxy, default policy, exact vLLM hashes (index only)",
+            env={"PROXY_HASH_MODE": "exact"},
         ),
         RouterSpec("proxy-rr", "rollout-proxy, round_robin", env={"PROXY_POLICY": "round_robin"}),
         RouterSpec("proxy-ll", "rollout-proxy, least_loaded", env={"PROXY_POLICY": "least_loaded"}),

@@ -71,6 +71,15 @@ def event_costs(rng: random.Random) -> list[tuple[str, float]]:
             ),
         ],
         "prefill step: 8 x BlockStored(64 blocks)": [stored_event(rng, 64) for _ in range(8)],
+        # What one request of the memory-tight benchmark causes: its new blocks stored, as many
+        # evicted, one BlockRemoved each (bench/results/kv_events.md counts ~140 per request).
+        "evicting prefill: BlockStored(140 blocks) + 140 x BlockRemoved": [
+            stored_event(rng, 140),
+            *(
+                {"type": "BlockRemoved", "block_hashes": [rng.getrandbits(64)], "medium": "GPU"}
+                for _ in range(140)
+            ),
+        ],
     }
     for name, events in cases.items():
         payload = msgpack.packb([time.time(), events, 0])
@@ -119,6 +128,12 @@ def request_costs(rng: random.Random, prompt_tokens: int) -> list[tuple[str, flo
     plain = Router(exact, PrefixIndex(1 << 19), PrefixAffinity(8))
     precise = Router(exact, PrefixIndex(1 << 19), PrefixAffinity(8))
     precise.precise = PreciseMatcher(views)
+    # Remembering a 600-token completion (Router.record_completion): the fast hashes extend the
+    # prompt's chain; vLLM's need the parent's full digest, which the index does not keep, so
+    # the exact mode hashes prompt and completion again.
+    completion = [rng.randrange(151_000) for _ in range(600)]
+    fast_router = Router(fast, PrefixIndex(1 << 19), PrefixAffinity(8))
+    fast_decision, exact_decision = fast_router.route(key, loads), plain.route(key, loads)
     return [
         (f"{prompt_tokens}-token prompt: fast hashes (default mode)", per_call_us(
             lambda: fast.hash_tokens(tokens, ns))),
@@ -132,6 +147,10 @@ def request_costs(rng: random.Random, prompt_tokens: int) -> list[tuple[str, flo
             lambda: plain.route(key, loads))),
         (f"{prompt_tokens}-token prompt: whole route(), exact, 4 live views", per_call_us(
             lambda: precise.route(key, loads))),
+        (f"{prompt_tokens}-token prompt: record a 600-token completion, fast", per_call_us(
+            lambda: fast_router.record_completion(key, fast_decision, completion))),
+        (f"{prompt_tokens}-token prompt: record a 600-token completion, exact", per_call_us(
+            lambda: plain.record_completion(key, exact_decision, completion))),
         ("answer check: cached_tokens regex over a 600-token answer", per_call_us(
             lambda: _CACHED_TOKENS.search(body))),
     ]  # fmt: skip

@@ -40,6 +40,7 @@ from bench.kv_events_report import kv_events_section, kv_events_summary
 from bench.oracle import oracle_hits, throughput_ceiling
 from bench.procs import REPO, ManagedProcess, free_port, machine_description, managed
 from bench.report import fmt, pct, percentile, table
+from bench.restart import add_restart_args, restart_after, run_with_restart
 from bench.routers import ROUTERS, RouterSpec, select
 from bench.simulator import SimConfig
 from bench.workload import (
@@ -500,6 +501,7 @@ async def run_one(
     startup_timeout_s: float,
     probe_interval_sim_s: float | None = PROBE_INTERVAL_SIM_S,
     foreign_share: float = 0.0,
+    restart_at: float = 0.0,
 ) -> RunResult:
     """One router on ``n`` replicas. ``probe_interval_sim_s`` None: each router's own default."""
     wcfg, sim = workload.workload, workload.sim_for(n)
@@ -556,7 +558,33 @@ async def run_one(
             control = ControlPlane(targets, trace)
             driver = make_driver(wcfg, router_url, control, spec.prompt_format, urls, foreign_share)
             cpu_before = (router.cpu_seconds(), fleet.cpu_seconds(), time.process_time())
-            await driver.run(plan)
+            old_router = router
+
+            async def restart() -> str:  # --restart-at (bench/restart.py)
+                nonlocal router, router_url, cpu_before
+                port = free_port()
+                router_url = f"http://127.0.0.1:{port}"
+                router = stack.enter_context(
+                    managed(
+                        spec.name,
+                        spec.argv(urls, port, probe_real),
+                        log_dir / f"router-{tag}-restarted.log",
+                        env,
+                    )
+                )
+                await _wait_ready(
+                    session, router_url, sim.model, spec.prompt_format, router, startup_timeout_s
+                )
+                # Router CPU: the old process's until now plus the new one's from now.
+                spent = old_router.cpu_seconds() - cpu_before[0]
+                cpu_before = (router.cpu_seconds() - spent, *cpu_before[1:])
+                return router_url
+
+            after = restart_after(plan, restart_at)
+            record = log_dir / f"restart-{tag}.json"
+            await run_with_restart(
+                driver, plan, after, restart, old_router.stop, record, sim.time_scale
+            )
             cpu_used = (router.cpu_seconds(), fleet.cpu_seconds(), time.process_time())
             stats = [await _get_json(session, url + "/sim/stats") for url in urls]
             if spec.tool is None:
@@ -1058,6 +1086,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--wall-s", type=float, default=None, help="with --report-from: wall time")
     p.add_argument("--measured-at", default=None, help="with --report-from: when it ran")
     add_foreign_args(p)
+    add_restart_args(p)
     return p.parse_args(argv)
 
 
@@ -1197,6 +1226,7 @@ async def amain(argv: Sequence[str] | None = None) -> int:
                         args.startup_timeout,
                         interval,
                         args.foreign_share,
+                        args.restart_at,
                     )
                 except Exception as exc:  # one router failing must not hide the others' numbers
                     r = RunResult(

@@ -334,6 +334,56 @@ def test_multi_turn_continuation_keeps_its_affinity_on_the_precise_view() -> Non
     assert matcher.specific_matches(index, keys, keys, [0, 1]) == {0: 0, 1: 6}
 
 
+def test_when_the_views_find_nothing_specific_the_rollout_goes_home() -> None:
+    """A continuation whose own history was evicted everywhere: the views leave only the
+    group's prompt, held on both replicas; the index still knows where the rollout ran."""
+    index = PrefixIndex(1000)
+    prompt, history = chain(3), chain(4, 100)
+    index.record(prompt + history, 1)
+    views = {0: live_view(), 1: live_view()}
+    views[0].apply(1, batch(stored(*prompt)))
+    views[1].apply(1, batch(stored(*prompt, *history)))
+    views[1].apply(2, batch(removed(*history)))
+    matcher = PreciseMatcher(views)
+    keys = prompt + history
+    assert matcher.specific_matches(index, keys, keys, [0, 1]) == {0: 0, 1: 7}
+    assert matcher.reach(index, index.lookup(keys), keys, [0, 1]) == ({0: 0, 1: 7}, 0)
+    # The prediction checked against the replica's answer is still what its view holds.
+    decision = object()
+    matcher.routed(decision, 1)
+    assert matcher.outcome(decision) == (3, True)
+
+
+def test_what_a_view_holds_beats_the_index_memory_of_the_rollout() -> None:
+    """The fallback is per request and only for a tie: one replica reporting a specific
+    prefix decides, wherever the index thinks the rollout ran."""
+    index = PrefixIndex(1000)
+    prompt, history = chain(3), chain(4, 100)
+    index.record(prompt + history, 1)
+    views = {0: live_view(), 1: live_view()}
+    views[0].apply(1, batch(stored(*prompt, *history[:2])))
+    views[1].apply(1, batch(stored(*prompt)))
+    matcher = PreciseMatcher(views)
+    keys = prompt + history
+    assert matcher.specific_matches(index, keys, keys, [0, 1]) == {0: 2, 1: 0}
+
+
+@pytest.mark.parametrize("sent_to", [[], [0, 1]])
+def test_with_nothing_specific_anywhere_the_views_answer_stands(sent_to: list[int]) -> None:
+    """Neither source prefers a replica (the index never saw the prompt, or sent it to every
+    replica): the views' reach and common depth stand, and load decides."""
+    index = PrefixIndex(1000)
+    prompt = chain(3)
+    for r in sent_to:
+        index.record(prompt, r)
+    views = {0: live_view(), 1: live_view()}
+    for view in views.values():
+        view.apply(1, batch(stored(*prompt)))
+    matcher = PreciseMatcher(views)
+    keys = prompt + chain(2, 100)
+    assert matcher.reach(index, index.lookup(keys), keys, [0, 1]) == ({0: 3, 1: 3}, 3)
+
+
 def test_router_routes_on_the_view_and_remembers_the_prediction() -> None:
     hasher = VllmHasher(16, "sha256", "0")
     router = Router(hasher, PrefixIndex(1000), PrefixAffinity(8))
