@@ -147,6 +147,13 @@ def event_hash(digest: bytes) -> int:
     return int.from_bytes(digest, "big") & _MASK64
 
 
+# Chain tails the exact hasher remembers for ``extend``: a completion is learned a few ms to
+# minutes after its prompt was hashed, with up to TRL's max_inflight_tasks (a few hundred)
+# rollouts in between; 4,096 covers that ten times over for ~0.5 MB (a 32-byte digest and an
+# int key each).
+MAX_CHAIN_TAILS = 4096
+
+
 class VllmHasher:
     """vLLM 0.33.0's prefix-cache block hashes, exactly.
 
@@ -168,17 +175,25 @@ class VllmHasher:
         self._fn = _VLLM_FUNCTIONS[algo]
         self._root = self._fn(seed if seed is not None else VLLM_DEFAULT_SEED)
         self._text = FastHasher(block_size)
+        # The full digest behind the last key of recently hashed prompts, so that ``extend``
+        # can continue a chain (an index key keeps only 64 of the digest's bits). Insertion
+        # ordered, the oldest dropped first.
+        self._tails: dict[int, bytes] = {}
 
-    def digests(self, tokens: Sequence[int], namespace: Namespace) -> list[bytes]:
-        """Full vLLM digests (what ``request.block_hashes`` holds inside vLLM)."""
+    def digests(
+        self, tokens: Sequence[int], namespace: Namespace, parent: bytes | None = None
+    ) -> list[bytes]:
+        """Full vLLM digests (what ``request.block_hashes`` holds inside vLLM); from
+        ``parent``'s block on when given (then ``tokens`` start at a block boundary after it)."""
         lora: tuple[Any, ...] | None = None
         if namespace.lora_path is not None:
             lora = (("lora", namespace.model, namespace.lora_path),)
         first_extra: tuple[Any, ...] | None = lora
-        if namespace.cache_salt:
+        if namespace.cache_salt and parent is None:
             first_extra = (*(lora or ()), ("cache_salt", namespace.cache_salt))
         fn, bs = self._fn, self.block_size
-        parent = self._root
+        if parent is None:
+            parent = self._root
         out: list[bytes] = []
         for i in range(len(tokens) // bs):
             extra = first_extra if i == 0 else lora
@@ -187,16 +202,30 @@ class VllmHasher:
         return out
 
     def hash_tokens(self, tokens: Sequence[int], namespace: Namespace) -> list[int]:
-        keys = [event_hash(d) for d in self.digests(tokens, namespace)]
+        return self._keys(self.digests(tokens, namespace), namespace)
+
+    def extend(self, parent: int, tokens: Sequence[int], namespace: Namespace) -> list[int] | None:
+        """The chain after the prompt whose last key is ``parent``, when that prompt was hashed
+        recently (learning a completion: re-hashing the prompt cost ~20x the completion's own
+        blocks in exact mode, bench.run_kv_events_micro); else None, and the caller restarts."""
+        digest = self._tails.get(parent)
+        if digest is None:
+            return None
+        return self._keys(self.digests(tokens, namespace, digest), namespace)
+
+    def _keys(self, digests: list[bytes], namespace: Namespace) -> list[int]:
+        keys = [event_hash(d) for d in digests]
         if namespace.epoch:
             # A purge must make old entries unreachable without changing what vLLM would
             # compute, so the epoch is mixed into the index key, not into the digest.
             mix = xxhash.xxh3_64_intdigest(namespace.epoch.to_bytes(8, "little"))
             keys = [k ^ mix for k in keys]
+        if keys:
+            tails = self._tails
+            tails[keys[-1]] = digests[-1]
+            if len(tails) > MAX_CHAIN_TAILS:
+                del tails[next(iter(tails))]
         return keys
-
-    def extend(self, parent: int, tokens: Sequence[int], namespace: Namespace) -> list[int] | None:
-        return None  # an index key is 64 bits of a 256-bit digest: the chain must restart
 
     def hash_text(self, text: bytes, namespace: Namespace) -> list[int]:
         # vLLM hashes token ids; without a tokenizer no exact prediction exists, so text

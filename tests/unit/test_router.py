@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from proxy.core.extract import RoutingKey
-from proxy.core.hashing import FastHasher
+from proxy.core.hashing import MAX_CHAIN_TAILS, FastHasher, Namespace, make_hasher
 from proxy.core.policy import CostBased, PrefixAffinity
 from proxy.core.prefix_index import PrefixIndex
 from proxy.core.router import Router
@@ -143,13 +145,31 @@ def test_baseline_policies_skip_hashing() -> None:
     assert len(router.index) == 0
 
 
-def test_extend_equals_hashing_the_whole_sequence() -> None:
-    hasher = FastHasher(16)
-    ns = __import__("proxy.core.hashing", fromlist=["Namespace"]).Namespace("m")
+@pytest.mark.parametrize("mode", ["fast", "exact"])
+@pytest.mark.parametrize(
+    "namespace",
+    [
+        Namespace("m"),
+        Namespace("trl-policy-v3", "/adapters/v3", "salt", 0),
+        Namespace("trl-policy-v3", "/adapters/v3", None, 7),
+    ],
+)
+def test_extend_equals_hashing_the_whole_sequence(mode: str, namespace: Namespace) -> None:
+    hasher = make_hasher(mode, 16)
     tokens = list(range(200))
-    whole = hasher.hash_tokens(tokens, ns)
-    head = hasher.hash_tokens(tokens[:64], ns)
-    assert head + (hasher.extend(head[-1], tokens[64:], ns) or []) == whole
+    whole = hasher.hash_tokens(tokens, namespace)
+    head = hasher.hash_tokens(tokens[:64], namespace)
+    assert head + (hasher.extend(head[-1], tokens[64:], namespace) or []) == whole
+    assert hasher.extend(head[-1], tokens[64:], namespace) is not None
+
+
+def test_exact_extend_restarts_for_a_chain_it_no_longer_remembers() -> None:
+    hasher = make_hasher("exact", 16)
+    ns = Namespace("m")
+    head = hasher.hash_tokens(list(range(64)), ns)
+    for i in range(MAX_CHAIN_TAILS):  # other prompts hashed since
+        hasher.hash_tokens([i] * 16, ns)
+    assert hasher.extend(head[-1], list(range(64, 96)), ns) is None
 
 
 def test_completion_is_remembered_so_the_next_turn_matches_it_too() -> None:
