@@ -45,8 +45,8 @@ setup-vllm:
 
 # pytest-xdist workers: one per core (2 on the CI machine). Whole test files go to a worker, the
 # two torch trainer modules together (tests/conftest.py says why), in collection order so that
-# long unit starts first. Measured on 2 cores from a fresh clone (another suite running too):
-# 1,321 tests in 874 s; the previous round's serial run took ~10-11 min of a 15-min make test.
+# long unit starts first. Measured on 2 cores from a fresh clone: 1,321 tests in 645 s (874 s
+# with another full suite on the same cores); the previous round's serial run took ~10-11 min.
 PYTEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
 
 test: setup lint
@@ -63,7 +63,7 @@ test-vllm: setup setup-vllm
 	VLLM_VENV=$(abspath $(VLLM_VENV)) $(PY) -m pytest -m vllm tests/e2e -v $(PYTEST_ARGS)
 
 # On a fresh clone both venvs are built before the demo prints anything (measured on the shared
-# 2-core dev machine, with uv: .venv 23 s, .venv-vllm 91-102 s); said up front so it is not taken
+# 2-core dev machine, with uv: .venv 16-23 s, .venv-vllm 82-102 s); said up front so it is not taken
 # for a hang.
 demo-intro:
 	@if [[ ! -f $(VENV)/.installed || ! -x $(VLLM_VENV)/bin/python ]]; then \
