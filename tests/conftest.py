@@ -69,3 +69,34 @@ def make_fleet() -> Iterator[Callable[..., Harness]]:
     yield make
     for h in made:
         h.close()
+
+
+# Test modules that train with torch. Each starts a trainer (one process, or two for FSDP), two
+# torch-backed fake replicas and a proxy, with thread counts sized for having the 2-core machine
+# to itself. Under pytest-xdist (`make test`) they form one scheduling unit, so one worker runs
+# them one after the other (building the session's tiny model once) while the other worker takes
+# everything else. Side by side they oversubscribed the cores: the trainer fixture took 315 s
+# instead of ~60 s, and FSDP's 4-step run published an adapter that had not moved.
+TORCH_TRAINER_MODULES = frozenset(
+    {"tests/e2e/test_trainer_e2e.py", "tests/e2e/test_trainer_fsdp.py"}
+)
+
+
+@pytest.hookimpl(optionalhook=True)  # only called when pytest-xdist is installed and active
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadfile`, except that the torch trainer modules share one unit (see above).
+
+    Whole files per worker (rather than loadgroup marks, which pytest-xdist 3.8 cannot apply
+    under pytest 9.2: it sets a node-id attribute pytest no longer reads) also keeps every
+    module-scoped fixture built once and module-level state (test_faults.py's report rows) whole.
+    """
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class TorchTrainersTogether(LoadFileScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            path = str(super()._split_scope(nodeid))
+            return "torch trainer modules" if path in TORCH_TRAINER_MODULES else path
+
+    return TorchTrainersTogether(config, log)

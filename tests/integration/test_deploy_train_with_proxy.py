@@ -15,8 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ import pytest
 from tests.integration.test_deploy_container import _proxy_cli_works
 from tests.support.fake_vllm import FakeVllm
 from tests.support.servers import ServerThread, free_port
+from tests.support.traffic import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "deploy" / "train_with_proxy.sh"
@@ -147,13 +147,6 @@ def children(pid: int) -> list[tuple[int, str]]:
         except (OSError, IndexError, ValueError):
             continue
     return out
-
-
-def wait_until(predicate: Callable[[], object], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 def test_starts_the_proxy_then_the_trainer_and_returns_its_status(

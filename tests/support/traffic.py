@@ -19,12 +19,16 @@ import httpx
 TEMPLATE = list(range(1000, 1048))
 
 
-def wait_until(predicate: Callable[[], object], timeout: float = 5.0) -> None:
-    """Poll ``predicate`` (from a test's thread) until true, or fail after ``timeout`` s."""
+def wait_until(
+    predicate: Callable[[], object], timeout: float = 5.0, what: str = "the condition"
+) -> None:
+    """Poll ``predicate`` (from a test's thread) until true, or fail after ``timeout`` s saying
+    ``what`` was awaited. Polls every 20 ms: cheap next to what the predicates check (a dict
+    read, a file's existence, a localhost request), and short next to the waits they replace."""
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.02)
 
 
@@ -143,9 +147,18 @@ class Traffic:
                 )
             )
 
-    async def run(self, duration_s: float, events: list[tuple[float, object]] = ()) -> None:
+    async def run(
+        self,
+        duration_s: float,
+        events: list[tuple[float, object]] = (),
+        min_requests: int = 0,
+        patience_s: float = 30.0,
+    ) -> None:
         """Drive traffic for ``duration_s``; ``events`` are (at_seconds, callable) run in a
-        thread at those times (fault injection)."""
+        thread at those times (fault injection). If fewer than ``min_requests`` rollouts have
+        finished by then (a loaded machine serves fewer in the same window), keep going until
+        they have, for at most ``patience_s`` more: a test then waits on the amount of traffic
+        it needs instead of betting on how much fits in a fixed window."""
         rng = random.Random(self.seed)
         limits = httpx.Limits(max_connections=self.group_size * self.groups_in_flight + 8)
         async with httpx.AsyncClient(base_url=self.proxy_url, timeout=30, limits=limits) as c:
@@ -162,6 +175,9 @@ class Traffic:
                 await asyncio.sleep(max(0.0, started + at - time.monotonic()))
                 await asyncio.to_thread(action)  # type: ignore[arg-type]
             await asyncio.sleep(max(0.0, started + duration_s - time.monotonic()))
+            give_up = time.monotonic() + patience_s
+            while len(self.results) < min_requests and time.monotonic() < give_up:  # noqa: ASYNC110 - the rollout tasks append
+                await asyncio.sleep(0.05)
             stop.set()
             await asyncio.gather(*tasks)
 
