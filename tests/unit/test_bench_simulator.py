@@ -100,7 +100,7 @@ def _full_of_two_finished_requests() -> tuple[KVCache, list[int], list[int]]:
 
 
 def test_blocks_registered_again_after_their_eviction_count_as_recomputed() -> None:
-    cache, x, y = _full_of_two_finished_requests()
+    cache, x, _ = _full_of_two_finished_requests()
     assert cache.recomputed_blocks == 0  # first registrations are not recompute
     z = cache.allocate(hashes(list(range(40, 48))), 0, total_blocks=2)  # evicts x, LRU
     assert z is not None and cache.evictions == 2
