@@ -927,6 +927,7 @@ class Replica:
             "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
             "# TYPE vllm:cache_config_info gauge",
             f'vllm:cache_config_info{{block_size="{self.config.block_size}",'
+            f'num_gpu_blocks="{self.config.kv_blocks}",'
             f'prefix_caching_hash_algo="sha256",engine="0"}} 1.0',
             "# HELP vllm:lora_requests_info Running stats on lora requests.",
             "# TYPE vllm:lora_requests_info gauge",

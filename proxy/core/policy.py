@@ -6,8 +6,10 @@ decisions is deterministic and testable.
 
 ``cost`` (the default) estimates, for each eligible replica, the latency that sending the request
 there adds to everyone's requests, and picks the cheapest: the prefill of the prompt tokens that
-replica does not hold (which stalls its running batch too) plus the decode interference of sharing
-its batch. Affinity therefore wins exactly when the prefill it saves outweighs the queue it joins.
+replica does not hold (which stalls its running batch too), the decode interference of sharing
+its batch and, on a replica whose KV cache cannot hold all its requests at once, the time the
+blocks it newly allocates keep the requests queued for memory waiting. Affinity therefore wins
+exactly when the prefill and the memory it saves outweigh the queue it joins.
 The shape follows Dynamo's KV router (cost = overlap weight * new prefill blocks + active decode
 blocks, per worker, from the router's own bookkeeping) and llm-d's scheduler (filter -> score ->
 pick, its default profile adding a queue-depth scorer at weight 2 to a prefix-cache scorer at
@@ -35,6 +37,10 @@ class Candidate:
     # Prompt tokens this replica would have to prefill: the prompt minus the common preamble
     # (every replica holds it) minus its specific match. Set by the router for prefix policies.
     new_tokens: int = 0
+    # The whole prompt, and the replica's KV cache in tokens (vLLM's num_gpu_blocks *
+    # block_size, scraped once: it never changes). 0: unknown, and no memory term is priced.
+    prompt_tokens: int = 0
+    kv_capacity_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,11 +146,17 @@ class CostModel:
       batch of ~50.
     - ``expected_output_tokens`` 600: the median completion of Qwen2.5-Math-1.5B on MATH (the
       recipe's task); the proxy does not see how long a request will decode.
+    - ``decode_step_base_s`` 4 ms: a decode step of a batch of one. Reading the 3.1 GB of
+      weights at 3.35 TB/s takes 0.9 ms; scheduler, sampler and graph launch bring vLLM to
+      ~250 tokens/s single-stream for a 1.5B model, ~4 ms a step (the same derivation as
+      bench/simulator.py's ``decode_step_base_ms``). With the per-sequence cost it says how long
+      a request holds its KV blocks: ``expected_output_tokens`` steps.
     """
 
     prefill_s_per_token: float = 10e-6
     decode_s_per_seq_step: float = 0.05e-3
     expected_output_tokens: float = 600.0
+    decode_step_base_s: float = 4e-3
 
     def cost(self, candidate: Candidate) -> float:
         """Latency added to all requests by sending this one to ``candidate``'s replica.
@@ -155,9 +167,35 @@ class CostModel:
         for about ``expected_output_tokens`` steps: 2 * load * tokens * per-sequence step cost.
         """
         load = max(candidate.load, 0.0)
-        prefill = max(candidate.new_tokens, 0) * self.prefill_s_per_token * (1.0 + load)
+        new_tokens = max(candidate.new_tokens, 0)
+        prefill = new_tokens * self.prefill_s_per_token * (1.0 + load)
         decode = 2.0 * load * self.expected_output_tokens * self.decode_s_per_seq_step
-        return prefill + decode
+        return prefill + decode + self.memory(candidate, load, new_tokens)
+
+    def memory(self, candidate: Candidate, load: float, new_tokens: int) -> float:
+        """Queueing for KV memory that this request's new blocks add (0 while it all fits).
+
+        A replica whose cache holds ``slots`` requests like this one (prompt plus expected
+        output) runs at most that many; the rest wait for blocks. Joining a replica with
+        ``load`` requests leaves ``load + 1 - slots`` waiting. The blocks this request allocates
+        there (its prompt beyond what the replica already holds, plus its output; the matched
+        prefix is shared, not copied) are out of their reach while it decodes,
+        ``expected_output_tokens`` steps: each waits that long times the share of the cache
+        taken. What a hit saves here is memory, not compute: on a memory-bound replica it is
+        what a spill really costs (the copy evicts prefixes that other rollouts then prefill
+        again, bench/results/routing.md's memory table).
+        """
+        capacity = candidate.kv_capacity_tokens
+        if capacity <= 0:
+            return 0.0
+        output = self.expected_output_tokens
+        slots = capacity / (max(candidate.prompt_tokens, 0) + output)
+        waiting = load + 1.0 - slots
+        if waiting <= 0.0:
+            return 0.0
+        # The batch runs ``slots`` sequences (fewer than load + 1, or none would wait).
+        hold_s = output * (self.decode_step_base_s + self.decode_s_per_seq_step * slots)
+        return waiting * (new_tokens + output) / capacity * hold_s
 
 
 class CostBased(_RoundRobinTies):
