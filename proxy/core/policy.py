@@ -165,37 +165,31 @@ class CostModel:
         already there stalls for as long (a prefill step holds the batch). Decode: each step of
         this request reads the other ``load`` sequences' KV, and each of theirs reads this one's,
         for about ``expected_output_tokens`` steps: 2 * load * tokens * per-sequence step cost.
-        """
-        load = max(candidate.load, 0.0)
-        new_tokens = max(candidate.new_tokens, 0)
-        prefill = new_tokens * self.prefill_s_per_token * (1.0 + load)
-        decode = 2.0 * load * self.expected_output_tokens * self.decode_s_per_seq_step
-        return prefill + decode + self.memory(candidate, load, new_tokens)
 
-    def memory(self, candidate: Candidate, load: float, new_tokens: int) -> float:
-        """Queueing for KV memory that this request's new blocks add (0 while it all fits).
-
-        A replica whose cache holds ``slots`` requests like this one (prompt plus expected
-        output) runs at most that many; the rest wait for blocks. Joining a replica with
-        ``load`` requests leaves ``load + 1 - slots`` waiting. The blocks this request allocates
-        there (its prompt beyond what the replica already holds, plus its output; the matched
-        prefix is shared, not copied) are out of their reach while it decodes,
-        ``expected_output_tokens`` steps: each waits that long times the share of the cache
-        taken. What a hit saves here is memory, not compute: on a memory-bound replica it is
-        what a spill really costs (the copy evicts prefixes that other rollouts then prefill
-        again, bench/results/routing.md's memory table).
+        Memory, when the replica's KV capacity is known: a cache that holds ``slots`` requests
+        like this one (prompt plus expected output) runs at most that many; the rest wait for
+        blocks. Joining a replica with ``load`` requests leaves ``load + 1 - slots`` waiting.
+        The blocks this request allocates there (its prompt beyond what the replica holds, plus
+        its output; a matched prefix is shared, not copied) are out of their reach while it
+        decodes, ``expected_output_tokens`` steps at a batch of ``slots``: each of them waits
+        that long times the share of the cache taken. On a memory-bound replica this is what a
+        spill really costs: the copy evicts prefixes that other rollouts then prefill again
+        (the memory table of bench/results/routing.md). Nothing is charged while all fit.
         """
-        capacity = candidate.kv_capacity_tokens
-        if capacity <= 0:
-            return 0.0
+        load = candidate.load if candidate.load > 0.0 else 0.0
+        new_tokens = candidate.new_tokens if candidate.new_tokens > 0 else 0
         output = self.expected_output_tokens
-        slots = capacity / (max(candidate.prompt_tokens, 0) + output)
-        waiting = load + 1.0 - slots
-        if waiting <= 0.0:
-            return 0.0
-        # The batch runs ``slots`` sequences (fewer than load + 1, or none would wait).
-        hold_s = output * (self.decode_step_base_s + self.decode_s_per_seq_step * slots)
-        return waiting * (new_tokens + output) / capacity * hold_s
+        cost = new_tokens * self.prefill_s_per_token * (1.0 + load)
+        cost += 2.0 * load * output * self.decode_s_per_seq_step
+        capacity = candidate.kv_capacity_tokens
+        if capacity > 0:  # inline, not a method: this runs per candidate on every request
+            slots = capacity / (max(candidate.prompt_tokens, 0) + output)
+            waiting = load + 1.0 - slots
+            if waiting > 0.0:
+                # The batch runs ``slots`` sequences (fewer than load + 1, or none would wait).
+                hold_s = output * (self.decode_step_base_s + self.decode_s_per_seq_step * slots)
+                cost += waiting * (new_tokens + output) / capacity * hold_s
+        return cost
 
 
 class CostBased(_RoundRobinTies):
