@@ -198,3 +198,14 @@ def test_memory_keeps_a_group_together_where_compute_alone_splits_it() -> None:
         [Candidate(*hit, 1900, 24_000), Candidate(1, 2, 0, 1900, 1900, 24_000)]
     )
     assert (idle.replica, idle.outcome) == (1, "spilled")
+
+
+def test_an_h100s_cache_never_charges_memory_for_the_benchmarks_roomy_workloads() -> None:
+    """grpo and agentic run on 140,000-block replicas (bench/simulator.py: an H100-80GB's KV
+    cache for this model): 2.24M tokens hold 254 requests of the longest 8,192-token context plus
+    600 expected tokens, more than the 64 rollouts TRL keeps in flight. There the memory term is
+    zero and the policy decides exactly as before it existed."""
+    model = CostModel()
+    for load in range(254):
+        roomy = Candidate(0, load, 0, 8192, 8192, 140_000 * 16)
+        assert model.cost(roomy) == model.cost(dataclasses.replace(roomy, kv_capacity_tokens=0))
