@@ -42,11 +42,13 @@ from bench.procs import REPO, ManagedProcess, free_port, machine_description, ma
 from bench.report import fmt, pct, percentile, table
 from bench.restart import add_restart_args, restart_after, run_with_restart
 from bench.routers import ROUTERS, RouterSpec, select
+from bench.routing_memory import memory_section, memory_summary, placement_classes
 from bench.simulator import SimConfig
 from bench.workload import (
     WORKLOADS,
     ControlPlane,
     PromptFormat,
+    RequestRecord,
     RunTrace,
     Workload,
     WorkloadConfig,
@@ -169,6 +171,10 @@ class RunResult:
     decisions: dict[str, float] = field(default_factory=dict)
     kv_events: dict[str, float] = field(default_factory=dict)  # proxy-events: its event views
     per_replica: list[dict[str, Any]] = field(default_factory=list)
+    # The replicas' KV memory figures and where requests landed relative to their prefix
+    # (bench/routing_memory.py).
+    memory: dict[str, float] = field(default_factory=dict)
+    placement: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------------------------
@@ -245,6 +251,12 @@ async def _probe_control(
 
 
 _SIM_ID = re.compile(r"^cmpl-sim(\d+)-")
+
+
+def _replica_of(record: RequestRecord) -> int | None:
+    """The replica that served ``record``, from the id the simulator gives each answer."""
+    m = _SIM_ID.match(record.response_id)
+    return int(m.group(1)) if m else None
 
 
 def _group_placement(trace: RunTrace, group_size: int) -> tuple[float, float]:
@@ -484,13 +496,25 @@ def _metrics(
         wcfg,
         sim,
     )
-    result.per_replica = [
-        {
-            k: s[k]
-            for k in ("replica", "requests", "busy_s", "seq_s", "queries_tokens", "hit_tokens")
-        }
-        for s in stats
-    ]
+    per_replica_keys = (
+        "replica",
+        "requests",
+        "busy_s",
+        "seq_s",
+        "queries_tokens",
+        "hit_tokens",
+        "prefilled_tokens",
+        "evictions",
+        "recomputed_tokens",
+        "kv_block_s",
+        "mem_blocked_s",
+        "waiting_s",
+        "max_waiting",
+    )
+    result.per_replica = [{k: s[k] for k in per_replica_keys if k in s} for s in stats]
+    result.memory = memory_summary(stats, makespan_sim)
+    served_by = [_replica_of(r) for r in ok]
+    result.placement = placement_classes(ok, served_by, oracle.per_request, group_size)
 
 
 async def run_one(
@@ -905,6 +929,7 @@ def write_report(
                 + [fmt(r.replicas_per_group, 2)]
             )
         md.append(table(["run", "affinity", "spilled", "unmatched", "replicas per group"], rows))
+    md.append(memory_section(results))
     md.append(kv_events_section(results))
     failures = [r for r in results if r.status == "failed" or r.errors]
     if failures:

@@ -219,6 +219,11 @@ class KVCache:
         self._pinned = 0  # blocks with ref > 0 (hashed or orphaned by a reset)
         self._anon = 0
         self.evictions = 0
+        # Hashes this cache evicted for room, and how many blocks it later had to register (so
+        # prefill) again under one of them: the recompute that memory pressure causes. A set of
+        # ints per run (tens of thousands at most); cleared with the statistics.
+        self._evicted: set[int] = set()
+        self.recomputed_blocks = 0
         self.events: Any = None  # a KvEventPublisher when SimConfig.kv_events
 
     @property
@@ -271,6 +276,7 @@ class KVCache:
             del self._index[victim.hash]
             self.evictions += 1
             evicted.append(victim.hash)
+            self._evicted.add(victim.hash)
         if self.events is not None:
             self.events.removed(evicted)
         owned = list(hit)
@@ -278,6 +284,9 @@ class KVCache:
         for h in hashes[len(hit) :]:
             if h in self._index:  # orphan of an evicted parent: keep a private copy, like vLLM
                 continue
+            if h in self._evicted:
+                self._evicted.discard(h)
+                self.recomputed_blocks += 1
             b = _Block(h, 1)
             self._index[h] = b
             owned.append(b)
@@ -312,6 +321,11 @@ class KVCache:
                     self._evictable[b.hash] = b
         alloc.blocks = []
         alloc.anon = 0
+
+    def reset_counters(self) -> None:
+        self.evictions = 0
+        self.recomputed_blocks = 0
+        self._evicted.clear()
 
     def reset(self) -> None:
         """Forget every cached block; blocks of running requests stay allocated, unfindable."""
@@ -380,6 +394,13 @@ class EngineStats:
     # syncs cost the replica, whoever forwarded them.
     paused_s: float = 0.0
     pauses: int = 0
+    # Memory: the integral of KV blocks held by running requests over time (mean usage =
+    # kv_block_s / (capacity * elapsed)), the time the head of the queue waited for free KV
+    # blocks while batch slots were free (vLLM would preempt or queue there), and the integral
+    # of the waiting queue's length (mean queue = waiting_s / elapsed).
+    kv_block_s: float = 0.0
+    mem_blocked_s: float = 0.0
+    waiting_s: float = 0.0
     # arrival, admitted, first_token, finished, prompt_len, hit_tokens, gen_len, number
     log: list[tuple[float, float, float, float, int, int, int, int]] = field(default_factory=list)
 
@@ -402,6 +423,8 @@ class Engine:
         self._wake = asyncio.Event()
         self._drained = asyncio.Event()  # set whenever the running batch empties
         self._last = clock.now()
+        self._kv_t = self._last  # the memory integral's last mark
+        self._mem_blocked = False  # the queue's head is waiting for KV blocks
         self._task: asyncio.Task[None] | None = None
         self.last_pause_mode: str | None = None  # lets the bench see what a router forwarded
 
@@ -487,8 +510,14 @@ class Engine:
         start = self._last
         dt = now - start
         self._last = now
-        if dt <= 0 or self._frozen:
+        if dt <= 0:
             return
+        self.stats.waiting_s += len(self.waiting) * dt
+        if self._frozen:
+            self._account_memory(now)
+            return
+        if self._mem_blocked:
+            self.stats.mem_blocked_s += dt
         stall = min(max(self._stall_until - start, 0.0), dt)
         if stall > 0:
             self.stats.busy_s += stall
@@ -511,6 +540,7 @@ class Engine:
             self.stats.decode_s += span
             self.stats.seq_s += span * batch
             still: list[SimRequest] = []
+            self._account_memory(t)  # finishing requests release blocks at t
             for r in self.running:
                 r.remaining -= progress
                 if r.remaining <= 1e-9:
@@ -518,8 +548,22 @@ class Engine:
                 else:
                     still.append(r)
             self.running = still
+        self._account_memory(now)
         if not self.running:
             self._drained.set()
+
+    def _account_memory(self, t: float) -> None:
+        """Add the blocks held since the last mark to the usage integral (call before the
+        held blocks change)."""
+        if t > self._kv_t:
+            self.stats.kv_block_s += self.cache.used_blocks * (t - self._kv_t)
+            self._kv_t = t
+
+    def restart_stats(self) -> None:
+        """Zero the counters from now on."""
+        self.stats = EngineStats()
+        self.cache.reset_counters()
+        self._kv_t = max(self._kv_t, self.clock.now())
 
     def _finish(self, r: SimRequest, now: float) -> None:
         r.finished = now
@@ -553,11 +597,13 @@ class Engine:
     def _admit(self, now: float) -> list[SimRequest]:
         bs = self.config.block_size
         admitted: list[SimRequest] = []
+        self._mem_blocked = False
         while self.waiting and len(self.running) + len(admitted) < self.config.max_num_seqs:
             r = self.waiting[0]
             total = -(-(len(r.prompt) + len(r.output)) // bs)
             alloc = self.cache.allocate(r.hashes, (len(r.prompt) - 1) // bs, total)
             if alloc is None:  # head-of-line blocking until running requests free blocks
+                self._mem_blocked = True
                 break
             self.waiting.popleft()
             r.alloc = alloc
@@ -881,6 +927,7 @@ class Replica:
             "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
             "# TYPE vllm:cache_config_info gauge",
             f'vllm:cache_config_info{{block_size="{self.config.block_size}",'
+            f'num_gpu_blocks="{self.config.kv_blocks}",'
             f'prefix_caching_hash_algo="sha256",engine="0"}} 1.0',
             "# HELP vllm:lora_requests_info Running stats on lora requests.",
             "# TYPE vllm:lora_requests_info gauge",
@@ -892,9 +939,8 @@ class Replica:
 
     def reset_stats(self) -> None:
         """Start a measurement cold: zero the counters and empty the prefix cache."""
-        self.engine.stats = EngineStats()
+        self.engine.restart_stats()
         self.engine.cache.reset()
-        self.engine.cache.evictions = 0
 
     def sim_stats(self, include_log: bool = True) -> dict[str, Any]:
         s = self.engine.stats
@@ -915,6 +961,11 @@ class Replica:
             "paused_s": s.paused_s,
             "pauses": s.pauses,
             "evictions": self.engine.cache.evictions,
+            "recomputed_tokens": self.engine.cache.recomputed_blocks * self.config.block_size,
+            "kv_block_s": s.kv_block_s,
+            "mem_blocked_s": s.mem_blocked_s,
+            "waiting_s": s.waiting_s,
+            "kv_blocks": self.config.kv_blocks,
             "cached_blocks": self.engine.cache.cached_blocks,
             "adapters": list(self.adapters),
             "last_pause_mode": self.engine.last_pause_mode,

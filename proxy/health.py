@@ -77,6 +77,8 @@ def parse_vllm_metrics(text: str) -> dict[str, Any]:
                     out["block_size"] = int(float(sample.labels["block_size"]))
                 if "prefix_caching_hash_algo" in sample.labels:
                     out["hash_algo"] = sample.labels["prefix_caching_hash_algo"]
+                if sample.labels.get("num_gpu_blocks", "None").isdigit():
+                    out["num_gpu_blocks"] = int(sample.labels["num_gpu_blocks"])
     return out
 
 
@@ -157,6 +159,10 @@ class HealthMonitor:
         replica.queue_depth = float(values.get("waiting", 0.0))
         replica.block_size = values.get("block_size", replica.block_size)
         replica.hash_algo = values.get("hash_algo", replica.hash_algo)
+        if "num_gpu_blocks" in values and replica.block_size:
+            # The cost policy prices KV memory with it (proxy/core/policy.py).
+            capacity = values["num_gpu_blocks"] * replica.block_size
+            self.control.router.kv_capacity_tokens[replica.index] = capacity
         self.metrics.vllm_waiting.labels(label).set(replica.queue_depth)
         if "kv_usage" in values:
             self.metrics.vllm_kv_usage.labels(label).set(values["kv_usage"])

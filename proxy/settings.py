@@ -92,7 +92,8 @@ class Settings(BaseSettings):
         "cost",
         description="Routing policy: "
         f"{', '.join(sorted(POLICIES))}. cost: the replica where the request adds the least "
-        "prefill + decode time (proxy/core/policy.py, constants from H100 figures). Default "
+        "prefill + decode time, plus the KV-memory wait it adds where a replica's cache cannot "
+        "hold its queue (proxy/core/policy.py, constants from H100 figures). Default "
         "because it led prefix and round_robin on throughput in 9 of 12 benchmark cells "
         "(least_loaded in 6) with the best balance, and won where KV memory is short "
         "(bench/results/routing.md).",
@@ -191,7 +192,9 @@ class Settings(BaseSettings):
         "10 s for the pod's preStop and the process's own exit.",
     )
     scrape_vllm_metrics: bool = Field(
-        True, description="Scrape replicas' /metrics for queue depth, hit rates, block size."
+        True,
+        description="Scrape replicas' /metrics for queue depth, hit rates, block size and KV "
+        "capacity (num_gpu_blocks: the cost policy prices KV memory with it).",
     )
     log_json: bool = Field(False, description="JSON log lines (one object per line).")
     log_level: str = Field("info", description="Python log level.")

@@ -6,8 +6,10 @@ decisions is deterministic and testable.
 
 ``cost`` (the default) estimates, for each eligible replica, the latency that sending the request
 there adds to everyone's requests, and picks the cheapest: the prefill of the prompt tokens that
-replica does not hold (which stalls its running batch too) plus the decode interference of sharing
-its batch. Affinity therefore wins exactly when the prefill it saves outweighs the queue it joins.
+replica does not hold (which stalls its running batch too), the decode interference of sharing
+its batch and, on a replica whose KV cache cannot hold all its requests at once, the time the
+blocks it newly allocates keep the requests queued for memory waiting. Affinity therefore wins
+exactly when the prefill and the memory it saves outweigh the queue it joins.
 The shape follows Dynamo's KV router (cost = overlap weight * new prefill blocks + active decode
 blocks, per worker, from the router's own bookkeeping) and llm-d's scheduler (filter -> score ->
 pick, its default profile adding a queue-depth scorer at weight 2 to a prefix-cache scorer at
@@ -35,6 +37,10 @@ class Candidate:
     # Prompt tokens this replica would have to prefill: the prompt minus the common preamble
     # (every replica holds it) minus its specific match. Set by the router for prefix policies.
     new_tokens: int = 0
+    # The whole prompt, and the replica's KV cache in tokens (vLLM's num_gpu_blocks *
+    # block_size, scraped once: it never changes). 0: unknown, and no memory term is priced.
+    prompt_tokens: int = 0
+    kv_capacity_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,11 +146,17 @@ class CostModel:
       batch of ~50.
     - ``expected_output_tokens`` 600: the median completion of Qwen2.5-Math-1.5B on MATH (the
       recipe's task); the proxy does not see how long a request will decode.
+    - ``decode_step_base_s`` 4 ms: a decode step of a batch of one. Reading the 3.1 GB of
+      weights at 3.35 TB/s takes 0.9 ms; scheduler, sampler and graph launch bring vLLM to
+      ~250 tokens/s single-stream for a 1.5B model, ~4 ms a step (the same derivation as
+      bench/simulator.py's ``decode_step_base_ms``). With the per-sequence cost it says how long
+      a request holds its KV blocks: ``expected_output_tokens`` steps.
     """
 
     prefill_s_per_token: float = 10e-6
     decode_s_per_seq_step: float = 0.05e-3
     expected_output_tokens: float = 600.0
+    decode_step_base_s: float = 4e-3
 
     def cost(self, candidate: Candidate) -> float:
         """Latency added to all requests by sending this one to ``candidate``'s replica.
@@ -153,11 +165,31 @@ class CostModel:
         already there stalls for as long (a prefill step holds the batch). Decode: each step of
         this request reads the other ``load`` sequences' KV, and each of theirs reads this one's,
         for about ``expected_output_tokens`` steps: 2 * load * tokens * per-sequence step cost.
+
+        Memory, when the replica's KV capacity is known: a cache that holds ``slots`` requests
+        like this one (prompt plus expected output) runs at most that many; the rest wait for
+        blocks. Joining a replica with ``load`` requests leaves ``load + 1 - slots`` waiting.
+        The blocks this request allocates there (its prompt beyond what the replica holds, plus
+        its output; a matched prefix is shared, not copied) are out of their reach while it
+        decodes, ``expected_output_tokens`` steps at a batch of ``slots``: each of them waits
+        that long times the share of the cache taken. On a memory-bound replica this is what a
+        spill really costs: the copy evicts prefixes that other rollouts then prefill again
+        (the memory table of bench/results/routing.md). Nothing is charged while all fit.
         """
-        load = max(candidate.load, 0.0)
-        prefill = max(candidate.new_tokens, 0) * self.prefill_s_per_token * (1.0 + load)
-        decode = 2.0 * load * self.expected_output_tokens * self.decode_s_per_seq_step
-        return prefill + decode
+        load = candidate.load if candidate.load > 0.0 else 0.0
+        new_tokens = candidate.new_tokens if candidate.new_tokens > 0 else 0
+        output = self.expected_output_tokens
+        cost = new_tokens * self.prefill_s_per_token * (1.0 + load)
+        cost += 2.0 * load * output * self.decode_s_per_seq_step
+        capacity = candidate.kv_capacity_tokens
+        if capacity > 0:  # inline, not a method: this runs per candidate on every request
+            slots = capacity / (max(candidate.prompt_tokens, 0) + output)
+            waiting = load + 1.0 - slots
+            if waiting > 0.0:
+                # The batch runs ``slots`` sequences (fewer than load + 1, or none would wait).
+                hold_s = output * (self.decode_step_base_s + self.decode_s_per_seq_step * slots)
+                cost += waiting * (new_tokens + output) / capacity * hold_s
+        return cost
 
 
 class CostBased(_RoundRobinTies):

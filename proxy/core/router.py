@@ -45,6 +45,8 @@ class Router:
         self._next_epoch = 1
         # Set when PROXY_KV_EVENTS is on: scores replicas by the blocks they report (kv_view.py).
         self.precise: PreciseMatcher | None = None
+        # Each replica's KV cache in tokens, once scraped (health.py); absent: unknown.
+        self.kv_capacity_tokens: dict[int, int] = {}
 
     @property
     def block_size(self) -> int:
@@ -101,11 +103,13 @@ class Router:
             event_keys = self._event_keys(key, lora_path, blocks[:matchable])
             reach, common = precise.reach(self.index, values[:matchable], event_keys, replicas)
         length = key.length
+        capacity = self.kv_capacity_tokens
         candidates = []
         for r, load in loads:
             d = reach[r]
             matched = d - common if d > common else 0
-            candidates.append(Candidate(r, load, matched, length - (common + matched) * bs))
+            new = length - (common + matched) * bs
+            candidates.append(Candidate(r, load, matched, new, length, capacity.get(r, 0)))
         decision = self.policy.choose(candidates)
         self.index.record(blocks, decision.replica, values)
         result = Decision(

@@ -168,7 +168,7 @@ async def test_reset_prefix_cache(sim: tuple[httpx.AsyncClient, Replica]) -> Non
 
 
 async def test_metrics_and_server_info(sim: tuple[httpx.AsyncClient, Replica]) -> None:
-    client, _ = sim
+    client, replica = sim
     for _ in range(2):
         await client.post("/v1/completions", json=body(list(range(80))))
     text = (await client.get("/metrics")).text
@@ -182,6 +182,8 @@ async def test_metrics_and_server_info(sim: tuple[httpx.AsyncClient, Replica]) -
     assert values["vllm:prefix_cache_queries_total"] == 160.0
     assert values["vllm:prefix_cache_hits_total"] == 64.0  # (80-1)//16 = 4 blocks
     assert 'block_size="16"' in text
+    # the KV capacity as vLLM labels it: what the proxy's cost policy prices memory with
+    assert f'num_gpu_blocks="{replica.config.kv_blocks}"' in text
     info = (await client.get("/server_info", params={"config_format": "json"})).json()
     cfg = info["vllm_config"]
     assert cfg["lora_config"] == {"max_loras": 6, "max_lora_rank": 1}

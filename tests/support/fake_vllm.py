@@ -37,6 +37,7 @@ class FakeVllm:
     base_model: str = "tiny/base"
     max_model_len: int = 4096
     block_size: int = 16
+    num_gpu_blocks: int | None = None  # the KV cache in blocks; None: not in cache_config_info
     max_loras: int = 6
     max_lora_rank: int = 1
     lora_enabled: bool = True
@@ -221,6 +222,7 @@ class FakeVllm:
             f'vllm:prefix_cache_hits_total{{engine="0"}} {self.prefix_cache_hits}.0\n'
             "# TYPE vllm:cache_config_info gauge\n"
             f'vllm:cache_config_info{{block_size="{self.block_size}",'
+            f'num_gpu_blocks="{self.num_gpu_blocks}",'
             f'prefix_caching_hash_algo="sha256",engine="0"}} 1.0\n'
         )
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")

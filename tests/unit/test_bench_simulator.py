@@ -88,13 +88,32 @@ def test_eviction_is_lru_and_tail_first_within_a_request() -> None:
     assert cache.match(new, 3) == 3
 
 
-def test_a_hit_refreshes_recency() -> None:
+def _full_of_two_finished_requests() -> tuple[KVCache, list[int], list[int]]:
+    """A 4-block cache holding two finished 2-block prompts, x freed before y."""
     cache = KVCache(4)
     x, y = hashes(list(range(8))), hashes(list(range(20, 28)))
     for chain in (x, y):
         alloc = cache.allocate(chain, 2, total_blocks=2)
         assert alloc is not None
         cache.release(alloc, [])
+    return cache, x, y
+
+
+def test_blocks_registered_again_after_their_eviction_count_as_recomputed() -> None:
+    cache, x, _ = _full_of_two_finished_requests()
+    assert cache.recomputed_blocks == 0  # first registrations are not recompute
+    z = cache.allocate(hashes(list(range(40, 48))), 0, total_blocks=2)  # evicts x, LRU
+    assert z is not None and cache.evictions == 2
+    cache.release(z, [])
+    again = cache.allocate(x, 0, total_blocks=2)  # x's prefill again: both blocks recomputed
+    assert again is not None and again.hit_blocks == 0
+    assert cache.recomputed_blocks == 2
+    cache.reset_counters()
+    assert (cache.evictions, cache.recomputed_blocks) == (0, 0)
+
+
+def test_a_hit_refreshes_recency() -> None:
+    cache, x, y = _full_of_two_finished_requests()
     again = cache.allocate(x, 2, total_blocks=2)  # x is used again: now most recent
     assert again is not None and again.hit_blocks == 2
     cache.release(again, [])

@@ -20,6 +20,7 @@ def test_vllm_cpu_metrics_fixture() -> None:
     values = parse_vllm_metrics(path.read_text())
     assert values["block_size"] == 32  # vLLM CPU needs a multiple of 32
     assert values["hash_algo"] == "sha256"
+    assert values["num_gpu_blocks"] == 8192  # the KV cache the cost policy prices memory by
     assert values["prefix_queries"] >= values["prefix_hits"] > 0
     assert {"waiting", "running", "kv_usage"} <= set(values)
 

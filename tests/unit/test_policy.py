@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from proxy.core.policy import (
@@ -144,3 +146,66 @@ def test_cost_is_the_default_policy() -> None:
     assert Settings(replicas=["http://127.0.0.1:1"]).policy == "cost"
     assert make_policy("cost", 8).name == "cost"
     assert set(POLICIES) >= {"cost", "prefix", "round_robin", "least_loaded"}
+
+
+# The memory term's unit: a request holds its blocks for 600 decode steps of 4 ms + 0.05 ms per
+# running sequence.
+def _hold_s(slots: float) -> float:
+    return 600 * (4e-3 + 0.05e-3 * slots)
+
+
+@pytest.mark.parametrize(
+    ("candidate", "memory_s"),
+    [
+        # capacity unknown (not scraped): no memory term
+        (Candidate(0, 30, 0, 2000, 2000, 0), 0.0),
+        # 24,000 tokens hold 9.6 requests of 1,900 + 600 tokens: with 5 there, all fit
+        (Candidate(0, 5, 0, 1900, 1900, 24_000), 0.0),
+        # with 15 there, 16 - 9.6 = 6.4 wait; a miss allocates 2,500 tokens (its prompt and
+        # its output) for 600 steps at a batch of 9.6
+        (Candidate(0, 15, 0, 1900, 1900, 24_000), 6.4 * 2500 / 24_000 * _hold_s(9.6)),
+        # a hit shares the held prefix: only its 100 new prompt tokens and its output are new
+        (Candidate(0, 15, 112, 100, 1900, 24_000), 6.4 * 700 / 24_000 * _hold_s(9.6)),
+    ],
+)
+def test_memory_is_priced_only_where_the_cache_cannot_hold_the_queue(
+    candidate: Candidate, memory_s: float
+) -> None:
+    model = CostModel()
+    compute_only = dataclasses.replace(candidate, kv_capacity_tokens=0)
+    assert model.cost(candidate) - model.cost(compute_only) == pytest.approx(memory_s)
+
+
+def test_memory_keeps_a_group_together_where_compute_alone_splits_it() -> None:
+    """Tight x4's case (bench/results/routing.md): a group member arrives while replica 0, which
+    holds the group's 1,500-token prompt, has five requests more than replica 1. Compute alone
+    spills: the prefill saved (15 ms per stalled request) is less than five more requests'
+    decode interference (1.35 s against 1.28 s). When both caches are full, the copy on
+    replica 1 costs memory the requests queued there wait for: affinity."""
+    hit = (0, 21, 94, 400)
+    miss = (1, 16, 0, 1900)
+    compute = CostBased().choose([Candidate(*hit), Candidate(*miss)])
+    assert (compute.replica, compute.outcome) == (1, "spilled")
+    full = CostBased().choose([Candidate(*hit, 1900, 24_000), Candidate(*miss, 1900, 24_000)])
+    assert (full.replica, full.outcome) == (0, "affinity")
+    # ... and plenty of memory (an H100's 2.2M tokens) leaves the compute decision alone.
+    roomy = CostBased().choose(
+        [Candidate(*hit, 1900, 2_240_000), Candidate(*miss, 1900, 2_240_000)]
+    )
+    assert roomy.replica == 1
+    # Memory does not pin a request to a full replica: a replica with room wins.
+    idle = CostBased().choose(
+        [Candidate(*hit, 1900, 24_000), Candidate(1, 2, 0, 1900, 1900, 24_000)]
+    )
+    assert (idle.replica, idle.outcome) == (1, "spilled")
+
+
+def test_an_h100s_cache_never_charges_memory_for_the_benchmarks_roomy_workloads() -> None:
+    """grpo and agentic run on 140,000-block replicas (bench/simulator.py: an H100-80GB's KV
+    cache for this model): 2.24M tokens hold 254 requests of the longest 8,192-token context plus
+    600 expected tokens, more than the 64 rollouts TRL keeps in flight. There the memory term is
+    zero and the policy decides exactly as before it existed."""
+    model = CostModel()
+    for load in range(254):
+        roomy = Candidate(0, load, 0, 8192, 8192, 140_000 * 16)
+        assert model.cost(roomy) == model.cost(dataclasses.replace(roomy, kv_capacity_tokens=0))

@@ -1,0 +1,74 @@
+"""The routing benchmark's memory view: the replicas' counters and where requests landed."""
+
+from __future__ import annotations
+
+import math
+
+from bench.routing_memory import memory_summary, placement_classes
+from bench.workload import RequestRecord
+
+
+def _req(rollout: int, turn: int, t_send: float, prompt: int, cached: int) -> RequestRecord:
+    return RequestRecord(
+        rollout, turn, "m", "/p", t_send, t_send + 1, [0] * prompt, [1], 200, cached_tokens=cached
+    )
+
+
+def test_requests_are_classed_by_where_their_prefix_went() -> None:
+    group = 2  # rollouts 0, 1 form group 0; rollout 2 is group 1
+    records = [
+        _req(0, 0, 0.0, 100, 0),  # group 0's first: replica 0
+        _req(1, 0, 0.1, 100, 80),  # with its group on replica 0
+        _req(2, 0, 0.2, 100, 0),  # group 1's first: replica 1
+        _req(0, 1, 1.0, 200, 100),  # rollout 0 stays on replica 0
+        _req(1, 1, 1.1, 200, 0),  # rollout 1 moves to replica 1
+        _req(2, 1, 1.2, 200, 0),  # served by no known replica: not counted
+    ]
+    served_by = [0, 0, 1, 0, 1, None]
+    oracle = [0, 96, 0, 192, 192, 192]
+    # Out of send order on purpose: the classes follow the send times.
+    order = [3, 0, 4, 1, 5, 2]
+    classes = placement_classes(
+        [records[i] for i in order],
+        [served_by[i] for i in order],
+        [oracle[i] for i in order],
+        group,
+    )
+    assert {c: v["requests"] for c, v in classes.items()} == {
+        "first-of-group": 2,
+        "with-group": 1,
+        "new-replica": 0,
+        "stayed": 1,
+        "moved": 1,
+    }
+    assert classes["with-group"]["hit_rate"] == 0.8
+    assert classes["with-group"]["of_oracle"] == 80 / 96
+    assert classes["stayed"]["hit_rate"] == 0.5
+    assert classes["moved"]["of_oracle"] == 0.0
+    assert math.isnan(classes["new-replica"]["hit_rate"])
+
+
+def test_memory_summary_is_fleet_wide_and_per_second() -> None:
+    replica = {
+        "kv_blocks": 100,
+        "kv_block_s": 500.0,  # 50 blocks held on average over 10 s
+        "mem_blocked_s": 2.0,
+        "waiting_s": 30.0,
+        "busy_s": 8.0,
+        "seq_s": 40.0,
+        "prefill_s": 2.0,
+        "prefilled_tokens": 1000,
+        "recomputed_tokens": 250,
+        "evictions": 20,
+        "requests": 10,
+    }
+    idle = dict(replica, kv_block_s=0.0, mem_blocked_s=0.0, waiting_s=0.0, evictions=0)
+    m = memory_summary([replica, idle], elapsed_sim_s=10.0)
+    assert m["kv_usage"] == 0.25
+    assert m["mem_blocked_share"] == 0.1
+    assert m["queue_mean"] == 1.5
+    assert m["batch_mean"] == 5.0
+    assert m["prefill_share"] == 0.25
+    assert m["evictions_per_request"] == 1.0
+    assert m["recompute_share"] == 0.25
+    assert memory_summary([], 10.0) == {}
