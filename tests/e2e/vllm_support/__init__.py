@@ -21,7 +21,7 @@ def skip_reason() -> str | None:
     """Why the real-vLLM tests cannot run here, or None when they can."""
     python = VLLM_VENV / "bin" / "python"
     if not python.is_file():
-        return f"no vLLM venv at {VLLM_VENV}: run `make setup-vllm` to create it (~2 min, 3.4 GB)"
+        return f"no vLLM venv at {VLLM_VENV}: run `make setup-vllm` to create it (~1.5 min, 3.1 GB)"
     if not any(VLLM_VENV.glob("lib/python3*/site-packages/vllm/entrypoints/openai/api_server.py")):
         return f"{VLLM_VENV} has no vLLM installed: rerun `make setup-vllm`"
     missing = [
