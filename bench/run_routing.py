@@ -555,19 +555,17 @@ async def run_one(
         ports = fleet_info["ports"]
         assert isinstance(ports, list)
         urls = [f"http://127.0.0.1:{p}" for p in ports]
-        port = free_port()
-        router_url = f"http://127.0.0.1:{port}"
         env = spec.environment(probe_real)
         if spec.kv_events:
             env["PROXY_KV_EVENTS_ENDPOINTS"] = ",".join(fleet_info.get("kv_events", []))
-        router = stack.enter_context(
-            managed(
-                spec.name,
-                spec.argv(urls, port, probe_real),
-                log_dir / f"router-{tag}.log",
-                env,
-            )
-        )
+
+        def start_router(log_name: str) -> tuple[ManagedProcess, str]:
+            port = free_port()
+            argv = spec.argv(urls, port, probe_real)
+            proc = stack.enter_context(managed(spec.name, argv, log_dir / log_name, env))
+            return proc, f"http://127.0.0.1:{port}"
+
+        router, router_url = start_router(f"router-{tag}.log")
         async with aiohttp.ClientSession(timeout=timeout) as session:
             await _wait_ready(
                 session, router_url, sim.model, spec.prompt_format, router, startup_timeout_s
@@ -586,16 +584,7 @@ async def run_one(
 
             async def restart() -> str:  # --restart-at (bench/restart.py)
                 nonlocal router, router_url, cpu_before
-                port = free_port()
-                router_url = f"http://127.0.0.1:{port}"
-                router = stack.enter_context(
-                    managed(
-                        spec.name,
-                        spec.argv(urls, port, probe_real),
-                        log_dir / f"router-{tag}-restarted.log",
-                        env,
-                    )
-                )
+                router, router_url = start_router(f"router-{tag}-restarted.log")
                 await _wait_ready(
                     session, router_url, sim.model, spec.prompt_format, router, startup_timeout_s
                 )
