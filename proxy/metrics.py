@@ -132,10 +132,11 @@ class _Tallies:
 
 
 class Metrics:
-    """The collectors, plus cached children for the data path: ``labels()`` validates and
-    joins its label values on every call (2.8% of the proxy's CPU per completion in issue 12's
-    profile); a dict lookup on the same tuple is a tenth of that. Label sets are bounded (see
-    the module docstring), so the caches are too."""
+    """The collectors. What every completion updates is a tally (``Tally``,
+    ``HistogramTally``); the rest are prometheus-client collectors, whose children are cached
+    (``labels()`` validates and joins its label values on every call; a dict lookup on the same
+    tuple is a tenth of that). Label sets are bounded (see the module docstring), so the tallies
+    and caches are too."""
 
     def __init__(self) -> None:
         self._children: dict[tuple[Any, ...], Any] = {}
