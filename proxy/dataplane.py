@@ -210,15 +210,10 @@ class DataPlane:
             self._track(replica, -1)
             self.metrics.observe_upstream(route, label, upstream_s)
             self.metrics.count_request(route, label, reply.status)
-            learn = reply.status == 200 and key.tokens is not None and key.num_prompts == 1
-            if learn or self.kv_events is not None:
-                # Learned once the answer is on its way: this task writes it before the loop
-                # turns, and callbacks run before the next I/O is read, so nothing routed in
-                # between can depend on it (a continuation needs this answer first). The client
-                # no longer waits for it (~10-20 us per completion measured here).
-                asyncio.get_running_loop().call_soon(
-                    self._learn, key, decision, reply.body, lora_path, learn
-                )
+            if reply.status == 200 and key.tokens is not None and key.num_prompts == 1:
+                self._remember_completion(key, decision, reply.body, lora_path)
+            if self.kv_events is not None:
+                self.kv_events.observe(decision, reply.body)
             if log.isEnabledFor(logging.DEBUG):
                 log.debug(
                     "request %s: %s -> replica %d, %d in %.1f ms (%s, %d blocks matched)",
@@ -242,19 +237,6 @@ class DataPlane:
             result = RelayedBody(reply, replica.index, request_id, self.guard)
             self.metrics.observe_proxy(route, time.perf_counter() - started - upstream_s)
             return result
-
-    def _learn(
-        self,
-        key: RoutingKey,
-        decision: Decision,
-        content: bytes,
-        lora_path: str | None,
-        remember: bool,
-    ) -> None:
-        if remember:
-            self._remember_completion(key, decision, content, lora_path)
-        if self.kv_events is not None:
-            self.kv_events.observe(decision, content)
 
     def _remember_completion(
         self, key: RoutingKey, decision: Decision, content: bytes, lora_path: str | None
