@@ -43,15 +43,14 @@ $(VENV)/.installed: pyproject.toml
 setup-vllm:
 	@bash scripts/setup_vllm_venv.sh $(VLLM_VENV)
 
-# pytest-xdist workers: 0 (serial) by default; `make test PYTEST_WORKERS=2` spreads whole test
-# files over 2 workers, the two torch trainer modules together (tests/conftest.py says why), long
-# unit first. Measured on 2 cores from a fresh clone: 1,321 tests in 645 s with 2 workers (874 s
-# with another full suite on the same cores); serial, 1,609 tests in 872 s (fresh clone, quiet). Serial is the default because
-# with 2 workers the fault tests (1 s probe budget, eject after one miss: they check that nothing
-# healthy is ever ejected) share the cores with the two-process FSDP trainer, and one fresh-clone
-# run ejected both healthy replicas there ("timed out on GET /health"); 4 minutes are not worth a
-# CI that can fail on load.
-PYTEST_WORKERS ?= 0
+# pytest-xdist workers: whole test files per worker, the two torch trainer modules together
+# (tests/conftest.py says why) and scheduled first (tests/e2e is collected first). 2 by default,
+# one per core: 1,613 tests in 645 s with 2 workers while two benchmark jobs shared the cores
+# (load ~4), 852 s serial (load ~2). The suite is safe in parallel because fake fleets probe with
+# the product's defaults (2 s budget, ejected after 2 misses; tests/conftest.py FAST): a serial
+# CI run had ejected a healthy fake after one 1 s probe timeout, and a parallel one both fakes of
+# a fault test. PYTEST_WORKERS=0 runs serially, in one process (easier to debug).
+PYTEST_WORKERS ?= 2
 
 test: setup lint
 	$(PY) -m pytest -m "not vllm" -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder \

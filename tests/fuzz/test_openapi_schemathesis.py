@@ -89,8 +89,10 @@ def fleet() -> Iterator[Fleet]:
             admin_keys=ADMIN_KEY,
             adapter_roots="/bucket",
             health_interval_s=0.2,
-            probe_timeout_s=1.0,
-            eject_after=1,
+            # The product's probe defaults: a healthy fake ejected by one slow probe on a busy
+            # machine would turn fuzzed calls into 503s that are the machine's, not the proxy's.
+            probe_timeout_s=2.0,
+            eject_after=2,
             lora_retry_s=0.05,
             lora_load_timeout_s=0.5,
             upstream_timeout_s=5,
