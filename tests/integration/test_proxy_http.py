@@ -293,6 +293,10 @@ def test_other_v1_paths_are_forwarded_to_one_replica(make_fleet) -> None:
 
 # -- probes -----------------------------------------------------------------------------------
 
+# TRL's client gives GET /health 5 s: an answer within it is never a hang to TRL. A tighter bound
+# would test the shared machine's load, not the proxy.
+TRL_HEALTH_TIMEOUT_S = 5.0
+
 
 def test_health_fan_in(make_fleet) -> None:
     h = make_fleet(2)
@@ -305,7 +309,7 @@ def test_health_fan_in(make_fleet) -> None:
     started = time.monotonic()
     r = h.client.get("/health")
     assert r.status_code == 502 and "[0]" in r.json()["message"]
-    assert time.monotonic() - started < 3
+    assert time.monotonic() - started < TRL_HEALTH_TIMEOUT_S
 
 
 def test_health_never_hangs_on_a_wedged_replica(make_fleet) -> None:
@@ -314,7 +318,8 @@ def test_health_never_hangs_on_a_wedged_replica(make_fleet) -> None:
     started = time.monotonic()
     r = h.client.get("/health")
     assert r.status_code == 502
-    assert time.monotonic() - started < 2.5
+    # Bounded by the probe budget (0.5 s here); the contract is TRL's own /health timeout.
+    assert time.monotonic() - started < TRL_HEALTH_TIMEOUT_S
 
 
 def test_server_info_is_one_coherent_server(make_fleet) -> None:
