@@ -34,8 +34,10 @@ class Candidate:
     replica: int
     load: float  # in-flight requests through this proxy (+ the replica's own queue if known)
     matched: int  # blocks of this request's *specific* prefix the replica was already sent
-    # Prompt tokens this replica would have to prefill: the prompt minus the common preamble
-    # (every replica holds it) minus its specific match. Set by the router for prefix policies.
+    # Prompt tokens this replica would have to prefill: the prompt minus the leading blocks it
+    # holds (its reach, common preamble included only where it holds it). Set by the router for
+    # prefix policies. ``matched`` counts only the specific part: a shared preamble is not
+    # affinity, but a replica that lacks it still pays to prefill it.
     new_tokens: int = 0
     # The whole prompt, and the replica's KV cache in tokens (vLLM's num_gpu_blocks *
     # block_size, scraped once: it never changes). 0: unknown, and no memory term is priced.

@@ -108,7 +108,10 @@ class Router:
         for r, load in loads:
             d = reach[r]
             matched = d - common if d > common else 0
-            new = length - (common + matched) * bs
+            # Prefill is priced from what this replica holds (its reach), common preamble or
+            # not: a preamble that is common because it branches (rule 2) may be missing here --
+            # never sent, or reported evicted by the replica's events -- and is then prefilled.
+            new = length - d * bs
             candidates.append(Candidate(r, load, matched, new, length, capacity.get(r, 0)))
         decision = self.policy.choose(candidates)
         self.index.record(blocks, decision.replica, values)

@@ -1,11 +1,13 @@
-"""What the router hands the policies: the prompt, and each replica's KV capacity once scraped."""
+"""What the router hands the policies: the prompt, what each replica would prefill, and each
+replica's KV capacity once scraped."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 from proxy.core.extract import RoutingKey
-from proxy.core.hashing import FastHasher
+from proxy.core.hashing import FastHasher, Namespace, VllmHasher
+from proxy.core.kv_view import PreciseMatcher, ReplicaView
 from proxy.core.policy import Candidate, Decision, LeastLoaded
 from proxy.core.prefix_index import PrefixIndex
 from proxy.core.router import Router
@@ -32,4 +34,49 @@ def test_candidates_carry_the_prompt_and_the_scraped_capacity() -> None:
     assert [(c.replica, c.prompt_tokens, c.kv_capacity_tokens) for c in policy.seen] == [
         (0, 100, 0),
         (1, 100, 24_000),
+    ]
+
+
+TEMPLATE = list(range(1000, 1032))  # a 32-token shared preamble: 2 blocks of 16
+
+
+def _warm_template_on_replica_0(router: Router) -> None:
+    """Two different prompts after the template, both on replica 0: the template branches, so
+    it becomes the common preamble (router.py rule 2) although replica 1 was never sent it."""
+    for tail in (list(range(50)), list(range(100, 150))):
+        router.route(RoutingKey("m", TEMPLATE + tail, None, None, False, 1), [(0, 0.0)])
+
+
+def test_a_replica_lacking_the_common_preamble_is_charged_its_prefill() -> None:
+    policy = Recording()
+    router = Router(FastHasher(16), PrefixIndex(1000), policy)
+    _warm_template_on_replica_0(router)
+    tokens = TEMPLATE + list(range(200, 264))  # 96 tokens: 6 blocks, 5 matchable
+    router.route(RoutingKey("m", tokens, None, None, False, 1), [(0, 0.0), (1, 0.0)])
+    # Neither holds anything specific; replica 0 holds the 2-block preamble, replica 1 nothing.
+    assert [(c.replica, c.matched, c.new_tokens) for c in policy.seen] == [
+        (0, 0, 96 - 32),
+        (1, 0, 96),
+    ]
+
+
+def test_a_replica_whose_events_report_the_preamble_evicted_is_charged_its_prefill() -> None:
+    hasher = VllmHasher(16)
+    policy = Recording()
+    router = Router(hasher, PrefixIndex(1000), policy)
+    views = {0: ReplicaView(), 1: ReplicaView()}
+    for view in views.values():
+        view.apply(0, {"events": []})  # live, empty
+    router.precise = PreciseMatcher(views)
+    _warm_template_on_replica_0(router)
+    tokens = TEMPLATE + list(range(200, 264))
+    keys = hasher.hash_tokens(tokens, Namespace("m"))
+    # Replica 0 stored the preamble, then evicted its second block; replica 1 holds all of it.
+    views[0].apply(1, {"events": [{"type": "BlockStored", "block_hashes": keys[:2]}]})
+    views[0].apply(2, {"events": [{"type": "BlockRemoved", "block_hashes": keys[1:2]}]})
+    views[1].apply(1, {"events": [{"type": "BlockStored", "block_hashes": keys[:2]}]})
+    router.route(RoutingKey("m", tokens, None, None, False, 1), [(0, 0.0), (1, 0.0)])
+    assert [(c.replica, c.matched, c.new_tokens) for c in policy.seen] == [
+        (0, 0, 96 - 16),
+        (1, 0, 96 - 32),
     ]
