@@ -98,6 +98,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--native", action="store_true", help="sample C frames too (syscalls, GC, orjson)"
     )
     p.add_argument("--body", choices=BODIES, default="distinct64", help="workload (distinct64)")
+    p.add_argument(
+        "--lines", action="store_true", help="keep line numbers (functions split by line)"
+    )
     args = p.parse_args(argv)
     tools = {t: find_tool(t) for t in ("nginx", "wrk", "py-spy")}
     missing = [t for t, path in tools.items() if path is None]
@@ -149,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 str(args.duration),
                 "-f",
                 "raw",
-                "--nolineno",
+                *([] if args.lines else ["--nolineno"]),
                 *(["--native"] if args.native else []),
                 "-o",
                 str(raw),
