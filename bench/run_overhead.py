@@ -17,7 +17,8 @@ The machine is shared: every target is started first, then the runs are interlea
 runs every target once, in turn), and each figure is the median over the rounds.
 
 Targets: direct (wrk -> backend), rollout-proxy (the lean client, the default; aiohttp; httpx's
-own transport on request), vllm-router, sglang-router, nginx as a pass-through proxy (the floor
+own transport on request; ``proxy-rr``: round-robin policy, so that proxy minus proxy-rr is
+what routing costs), vllm-router, sglang-router, nginx as a pass-through proxy (the floor
 for any proxy process), and bare uvicorn pass-throughs with the lean client and with aiohttp (the
 floors for a Python one, bench/passthrough.py).
 """
@@ -106,6 +107,14 @@ TARGETS: dict[str, Target] = {
             "rollout-proxy, defaults (PROXY_HOT_PATH=protocol, PROXY_UPSTREAM_TRANSPORT=lean)",
             "proxy",
             {"PROXY_UPSTREAM_TRANSPORT": "lean"},
+        ),
+        Target(
+            "proxy-rr",
+            "rollout-proxy, PROXY_POLICY=round_robin: the whole data path (guard, parse, "
+            "validation, limits, metrics, answer) without hashing, prefix index, cost policy or "
+            "recording completions; proxy minus proxy-rr is what routing costs",
+            "proxy",
+            {"PROXY_UPSTREAM_TRANSPORT": "lean", "PROXY_POLICY": "round_robin"},
         ),
         Target(
             "proxy-asgi",
