@@ -27,6 +27,9 @@ from bench.report import table
 from bench.run_overhead import BODIES, WRK_LUA, backend_conf, bodies
 
 DEFAULT_OUT = REPO / "bench" / "results"
+# Text above this line in an existing report is kept when the profile is re-run (the per-request
+# accounting written from other measurements, which a profile alone cannot give).
+KEEP_ABOVE = "<!-- bench.profile_proxy: the profile below is regenerated, the text above kept -->"
 
 # Inclusive-time buckets, first match wins (checked against every frame of a stack).
 BUCKETS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -98,6 +101,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--native", action="store_true", help="sample C frames too (syscalls, GC, orjson)"
     )
     p.add_argument("--body", choices=BODIES, default="distinct64", help="workload (distinct64)")
+    p.add_argument(
+        "--lines", action="store_true", help="keep line numbers (functions split by line)"
+    )
     args = p.parse_args(argv)
     tools = {t: find_tool(t) for t in ("nginx", "wrk", "py-spy")}
     missing = [t for t, path in tools.items() if path is None]
@@ -149,7 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 str(args.duration),
                 "-f",
                 "raw",
-                "--nolineno",
+                *([] if args.lines else ["--nolineno"]),
                 *(["--native"] if args.native else []),
                 "-o",
                 str(raw),
@@ -207,7 +213,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         else "overhead_profile_" + "_".join(v.lower() for v in env.values()) + ".md"
     )
     path = args.out / name
-    path.write_text("".join(md))
+    kept = ""
+    if path.exists() and KEEP_ABOVE in (previous := path.read_text()):
+        kept = previous.split(KEEP_ABOVE, 1)[0] + KEEP_ABOVE + "\n\n"
+    path.write_text(kept + "".join(md))
     print(f"wrote {path}")
     return 0
 

@@ -1,8 +1,16 @@
 """Micro-benchmarks of the proxy's pure core: block hashing of a 4,096-token prompt (fast and exact
-modes) and the prefix index's memory per tracked block.
+modes) and the prefix index's memory per tracked block; with ``--request``, one routed completion
+taken apart in process.
 
     python -m bench.run_micro                  # -> bench/results/micro.md
     python -m bench.run_micro --smoke --out /tmp/m
+    python -m bench.run_micro --request        # -> bench/results/micro_request.md
+
+``--request`` builds the proxy's real runtime (settings, router, data plane, data path) with two
+replicas marked ready and an upstream that answers at once with bench.run_overhead's fixed
+completion, then times ``DataPath.respond`` for bench.run_overhead's ``distinct64`` bodies and
+each stage it runs, in CPU microseconds without sockets. What that leaves out (the front, the
+upstream client, the syscalls) is what bench.run_overhead's ``floor-protocol`` target costs.
 
 Uses ``proxy.core`` as a library: ``make_hasher(mode, block_size)``, ``Namespace``,
 ``PrefixIndex(capacity, max_replicas).record(keys, replica)``.
@@ -24,6 +32,7 @@ from pathlib import Path
 
 from bench.procs import REPO, machine_description
 from bench.report import fmt, table
+from bench.request_micro import request_timings
 from proxy.core.hashing import Namespace, make_hasher
 from proxy.core.prefix_index import PrefixIndex
 
@@ -184,11 +193,44 @@ def write_report(
     return out / "micro.md"
 
 
+def write_request_report(timings: Sequence[Timing], core: str, out: Path, command: str) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    machine = machine_description()
+    md = ["# One routed completion in process: where its CPU goes\n\n"]
+    md.append(
+        f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} with `{command}`; core "
+        f"modules: {core}. Machine: {machine['nproc']} cores ({machine['cpu']}), shared with "
+        "other jobs: CPU time of this process, medians and minimums of batches. The stages are "
+        "timed alone, hot in the cache; under wrk each costs ~2x this (bench/results/"
+        "overhead_profile.md).\n\n"
+    )
+    md.append(
+        table(
+            ["stage", "median (us)", "min (us)", "calls"],
+            [[t.name, fmt(t.median_us, 1), fmt(t.min_us, 1), str(t.runs)] for t in timings],
+        )
+    )
+    (out / "micro_request.md").write_text("".join(md))
+    raw = {"machine": machine, "command": command, "core": core}
+    raw["stages"] = [asdict(t) for t in timings]
+    (out / "micro_request.json").write_text(json.dumps(raw, indent=1))
+    return out / "micro_request.md"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.run_micro", description=__doc__)
     p.add_argument("--smoke", action="store_true", help="fewer repetitions, 20k blocks")
+    p.add_argument("--request", action="store_true", help="time one routed completion's stages")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
+    command = "python -m bench.run_micro " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.request:
+        runs, inner = (3, 50) if args.smoke else (15, 1000)
+        stages, core = request_timings(lambda name, fn: time_call(name, fn, runs, inner))
+        for t in stages:
+            print(f"{t.name:>52}: median {t.median_us:7.1f} us  min {t.min_us:7.1f} us")
+        print(f"wrote {write_request_report(stages, core, args.out, command.strip())}")
+        return 0
     runs, inner = (5, 20) if args.smoke else (20, 200)
     sizes = [20_000] if args.smoke else [50_000, 200_000]
     timings = hashing_timings(runs, inner)
@@ -199,7 +241,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         m = index_memory(n)
         mems.append(m)
         print(f"index with {m.blocks} blocks: {m.bytes_per_block:.1f} bytes/block")
-    command = "python -m bench.run_micro " + " ".join(sys.argv[1:] if argv is None else argv)
     path = write_report(timings, mems, args.out, command.strip())
     print(f"wrote {path}")
     return 0

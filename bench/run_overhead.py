@@ -17,7 +17,8 @@ The machine is shared: every target is started first, then the runs are interlea
 runs every target once, in turn), and each figure is the median over the rounds.
 
 Targets: direct (wrk -> backend), rollout-proxy (the lean client, the default; aiohttp; httpx's
-own transport on request), vllm-router, sglang-router, nginx as a pass-through proxy (the floor
+own transport on request; ``proxy-rr``: round-robin policy, so that proxy minus proxy-rr is
+what routing costs), vllm-router, sglang-router, nginx as a pass-through proxy (the floor
 for any proxy process), and bare uvicorn pass-throughs with the lean client and with aiohttp (the
 floors for a Python one, bench/passthrough.py).
 """
@@ -75,13 +76,26 @@ class Target:
     env: dict[str, str] = field(default_factory=dict)
     text_prompt: bool = False
     args: tuple[str, ...] = ()
+    # A copy of the package whose core is compiled (scripts/compile_core.py --out DIR), run
+    # instead of the checkout's: ``python -P -m proxy`` with PYTHONPATH=DIR.
+    package_root: Path | None = None
 
     def unavailable(self) -> str | None:
         tool = {"vllm-router": "vllm-router", "sglang-router": "sglang-router", "nginx": "nginx"}
         needed = tool.get(self.kind)
         if needed and find_tool(needed) is None:
             return f"`{needed}` not found"
+        if self.package_root is not None and not list(self.package_root.glob(COMPILED_CORE)):
+            return (
+                f"compiled core not found under {self.package_root}: run "
+                f"`python scripts/compile_core.py --out {self.package_root}` first"
+            )
         return None
+
+
+# Where run_overhead's proxy-mypyc target finds its compiled copy of the package (git-ignored).
+MYPYC_ROOT = REPO / "build" / "mypyc-bench"
+COMPILED_CORE = "proxy/core/router.*.so"
 
 
 TARGETS: dict[str, Target] = {
@@ -93,6 +107,14 @@ TARGETS: dict[str, Target] = {
             "rollout-proxy, defaults (PROXY_HOT_PATH=protocol, PROXY_UPSTREAM_TRANSPORT=lean)",
             "proxy",
             {"PROXY_UPSTREAM_TRANSPORT": "lean"},
+        ),
+        Target(
+            "proxy-rr",
+            "rollout-proxy, PROXY_POLICY=round_robin: the whole data path (guard, parse, "
+            "validation, limits, metrics, answer) without hashing, prefix index, cost policy or "
+            "recording completions; proxy minus proxy-rr is what routing costs",
+            "proxy",
+            {"PROXY_UPSTREAM_TRANSPORT": "lean", "PROXY_POLICY": "round_robin"},
         ),
         Target(
             "proxy-asgi",
@@ -111,6 +133,14 @@ TARGETS: dict[str, Target] = {
             "rollout-proxy, PROXY_UPSTREAM_TRANSPORT=httpx",
             "proxy",
             {"PROXY_UPSTREAM_TRANSPORT": "httpx"},
+        ),
+        Target(
+            "proxy-mypyc",
+            "rollout-proxy, defaults, with proxy/core compiled by mypyc "
+            "(scripts/compile_core.py --out build/mypyc-bench)",
+            "proxy",
+            {"PROXY_UPSTREAM_TRANSPORT": "lean", "PYTHONPATH": str(MYPYC_ROOT)},
+            package_root=MYPYC_ROOT,
         ),
         Target("vllm-router", "vllm-router --policy cache_aware", "vllm-router"),
         Target(
@@ -149,6 +179,7 @@ TARGETS: dict[str, Target] = {
     )
 }
 # httpx's own transport costs ~10x the others (2,670 us/request last measured): on request only.
+# proxy-mypyc runs whenever its build exists (skipped, saying how to build it, otherwise).
 DEFAULT_TARGETS = [n for n in TARGETS if n != "proxy-httpx"]
 
 
@@ -434,7 +465,10 @@ def _launch(
     url = f"http://127.0.0.1:{port}"
     log = log_dir / f"overhead-{target.name}.log"
     if target.kind == "proxy":
-        argv = [sys.executable, "-m", "proxy", "--replicas", ",".join(urls), "--port", str(port)]
+        # -P: the working directory (the checkout) does not go first on sys.path, so a
+        # package_root on PYTHONPATH is what ``import proxy`` finds.
+        python = [sys.executable, "-P"] if target.package_root is not None else [sys.executable]
+        argv = [*python, "-m", "proxy", "--replicas", ",".join(urls), "--port", str(port)]
         proc = stack.enter_context(managed(target.name, argv, log, target.env))
     elif target.kind in ("vllm-router", "sglang-router"):
         exe = find_tool(target.kind)
@@ -466,7 +500,17 @@ def _launch(
         raise ValueError(f"unknown target kind {target.kind!r}")
     body = json.dumps(completion_request(target.text_prompt)).encode()
     wait_http(url + "/v1/completions", 60, proc=proc, method="POST", body=body)
+    if target.package_root is not None and proc is not None:
+        _check_compiled_core(proc.pid, target.package_root)
     return url, proc
+
+
+def _check_compiled_core(pid: int, root: Path) -> None:
+    """Fail the target unless its process really mapped the compiled router (a checkout's
+    sources earlier on sys.path would silently measure the pure-Python core instead)."""
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    if not any(str(p) in maps for p in root.glob(COMPILED_CORE)):
+        raise RuntimeError(f"the proxy did not load the compiled core from {root}")
 
 
 @dataclass

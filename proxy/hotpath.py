@@ -107,14 +107,26 @@ class DataPath:
         self.shutdown = shutdown
         self.render_error = render_error
 
-    async def handle(
-        self, route: str, path: str, raw: bytes, headers: list[tuple[bytes, bytes]], started: float
-    ) -> RelayedBody | RelayedStream:
-        """Parse, check and route one completion (also what the declared routes call)."""
+    def prepare(
+        self, route: str, raw: bytes, headers: list[tuple[bytes, bytes]]
+    ) -> tuple[RoutingKey, str]:
+        """Parse and check one completion: its routing key and request id.
+
+        Not a coroutine, so the parsed body (a 512-token prompt is 512 int objects) is freed
+        here, before the upstream wait, rather than held by a suspended frame for the whole
+        request: 64 rollouts in flight then keep 64 packed arrays alive instead of 64 parsed
+        bodies, and a request costs one coroutine fewer."""
         body = parse_json(raw)
         key = EXTRACTORS[route](body, self.tokenizer)
         self.limits.check(body, key)
-        return await self.data.forward(route, path, raw, key, request_id(headers), started)
+        return key, request_id(headers)
+
+    async def handle(
+        self, route: str, path: str, raw: bytes, headers: list[tuple[bytes, bytes]], started: float
+    ) -> RelayedBody | RelayedStream:
+        """Parse, check and route one completion (what the declared routes call)."""
+        key, rid = self.prepare(route, raw, headers)
+        return await self.data.forward(route, path, raw, key, rid, started)
 
     async def respond(
         self, route: str, scope: Scope, raw: bytes, started: float
@@ -123,7 +135,8 @@ class DataPath:
         OpenAI-shaped error that explains why there is none. Raises only a cancellation that is
         not the shutdown's (the client left)."""
         try:
-            return await self.handle(route, scope["path"], raw, scope["headers"], started)
+            key, rid = self.prepare(route, raw, scope["headers"])
+            return await self.data.forward(route, scope["path"], raw, key, rid, started)
         except ProxyError as exc:
             return self.error(route, exc)
         except asyncio.CancelledError:

@@ -94,6 +94,12 @@ def _namespace_seed(namespace: Namespace) -> int:
     return int(xxhash.xxh3_64_intdigest(material.encode("utf-8", "surrogatepass")))
 
 
+# Chain seeds remembered per namespace: computing one (format, encode, hash) cost ~1.2 us on
+# every routed request, looking it up ~0.4. Bounded like the router's namespace cache (a fresh
+# cache salt per request is possible): emptied when full.
+MAX_CACHED_SEEDS = 1024
+
+
 class FastHasher:
     """xxh3-64 chained block hashes for routing (the default)."""
 
@@ -103,10 +109,19 @@ class FastHasher:
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
         self.block_size = block_size
+        self._seeds: dict[Namespace, int] = {}
+
+    def _seed(self, namespace: Namespace) -> int:
+        seed = self._seeds.get(namespace)
+        if seed is None:
+            if len(self._seeds) >= MAX_CACHED_SEEDS:
+                self._seeds.clear()
+            seed = self._seeds[namespace] = _namespace_seed(namespace)
+        return seed
 
     def hash_tokens(self, tokens: Sequence[int], namespace: Namespace) -> list[int]:
         data, width = _token_bytes(tokens)
-        return _chain(data, width * self.block_size, _namespace_seed(namespace))
+        return _chain(data, width * self.block_size, self._seed(namespace))
 
     def extend(self, parent: int, tokens: Sequence[int], namespace: Namespace) -> list[int] | None:
         # The chain's state *is* the previous key (it is the next block's seed).
@@ -115,7 +130,7 @@ class FastHasher:
 
     def hash_text(self, text: bytes, namespace: Namespace) -> list[int]:
         # 4 bytes per pseudo-token: see proxy/core/extract.py for why.
-        return _chain(text, 4 * self.block_size, _namespace_seed(namespace) ^ 0x7E57)
+        return _chain(text, 4 * self.block_size, self._seed(namespace) ^ 0x7E57)
 
 
 def _sha256_pickle(obj: Any) -> bytes:

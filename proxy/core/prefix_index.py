@@ -80,12 +80,13 @@ class PrefixIndex:
     def lookup(self, keys: Sequence[int]) -> list[int]:
         """Packed values of the leading run of ``keys`` that the index knows (stops at the
         first unknown block: by chaining, nothing after it can match)."""
-        # The common case, every block in the young generation, in one C-level pass.
+        # The common case, every block in the young generation, in one C-level pass, and the
+        # miss found by another (``in`` before ``index``: a raised ValueError cost ~1 us, paid by
+        # most of the three lookups of every routed request).
         found = list(map(self._young.get, keys))
-        try:
-            miss = found.index(None)
-        except ValueError:
+        if None not in found:
             return found  # type: ignore[return-value]
+        miss = found.index(None)
         del found[miss:]
         for key in keys[miss:]:
             value = self._get(key)

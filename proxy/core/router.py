@@ -30,6 +30,11 @@ from proxy.core.policy import Candidate, Decision, Policy
 from proxy.core.prefix_index import PrefixIndex
 from proxy.core.reach import mask_of, prefix_reach, specific
 
+# Namespaces kept ready to reuse, by (model, adapter path, cache salt, epoch): a run names a few
+# adapters, but a client may send a fresh cache salt per request, so the cache is emptied when it
+# reaches this size rather than grown (building one is ~2 us; the lookup ~0.1).
+MAX_CACHED_NAMESPACES = 1024
+
 # Names whose purge epoch we remember. Only purged names get an entry; a run publishes a few
 # hundred adapter versions, so 4096 is ample, and forgetting the oldest is harmless: its blocks
 # have long aged out of the index.
@@ -43,6 +48,7 @@ class Router:
         self.policy = policy
         self._epochs: OrderedDict[str, int] = OrderedDict()
         self._next_epoch = 1
+        self._namespaces: dict[tuple[str, str | None, str | None, int], Namespace] = {}
         # Set when PROXY_KV_EVENTS is on: scores replicas by the blocks they report (kv_view.py).
         self.precise: PreciseMatcher | None = None
         # Each replica's KV cache in tokens, once scraped (health.py); absent: unknown.
@@ -53,7 +59,13 @@ class Router:
         return self.hasher.block_size
 
     def namespace(self, key: RoutingKey, lora_path: str | None = None) -> Namespace:
-        return Namespace(key.model, lora_path, key.cache_salt, self._epochs.get(key.model, 0))
+        fields = (key.model, lora_path, key.cache_salt, self._epochs.get(key.model, 0))
+        namespace = self._namespaces.get(fields)
+        if namespace is None:
+            if len(self._namespaces) >= MAX_CACHED_NAMESPACES:
+                self._namespaces.clear()
+            namespace = self._namespaces[fields] = Namespace(*fields)
+        return namespace
 
     def block_keys(self, key: RoutingKey, lora_path: str | None = None) -> list[int]:
         ns = self.namespace(key, lora_path)

@@ -133,7 +133,16 @@ def _need_overhead_tools() -> None:
 
 def test_overhead_smoke_with_our_proxy(tmp_path: Path) -> None:
     _need_overhead_tools()
-    targets = ["direct", "proxy", "proxy-asgi", "nginx", "floor", "floor-protocol", "floor-min"]
+    targets = [
+        "direct",
+        "proxy",
+        "proxy-rr",
+        "proxy-asgi",
+        "nginx",
+        "floor",
+        "floor-protocol",
+        "floor-min",
+    ]
     _run("bench.run_overhead", "--smoke", "--targets", ",".join(targets), "--out", str(tmp_path))
     _check_overhead(tmp_path, targets)
 

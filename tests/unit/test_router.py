@@ -215,3 +215,26 @@ def test_cost_policy_keeps_a_long_context_only_while_it_pays() -> None:
     # Four requests more on the holder cost more decode time than the prefill saves: move.
     moved = router.route(key(turn + [7] * 16), loads(8, 4))
     assert (moved.replica, moved.outcome) == (other, "spilled")
+
+
+def test_cached_namespaces_follow_purges_and_stay_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Namespaces are reused across requests, yet a purge still changes the key (its epoch is
+    part of what the cache is keyed by), and per-request cache salts cannot grow the cache."""
+    monkeypatch.setattr("proxy.core.router.MAX_CACHED_NAMESPACES", 4)
+    monkeypatch.setattr("proxy.core.hashing.MAX_CACHED_SEEDS", 4)
+    router = make_router()
+    p = prompt(random.Random(11))
+    before = router.block_keys(key(p))
+    assert router.namespace(key(p)) is router.namespace(key(p))
+    router.purge_model("trl-policy-v1")
+    after = router.block_keys(key(p))
+    assert after != before
+    assert after == FastHasher(16).hash_tokens(p, Namespace("trl-policy-v1", None, None, 1))
+    for salt in range(10):
+        salted = RoutingKey("trl-policy-v1", p, None, f"salt-{salt}", False, 1)
+        expected = FastHasher(16).hash_tokens(
+            p, Namespace("trl-policy-v1", None, f"salt-{salt}", 1)
+        )
+        assert router.block_keys(salted) == expected
+    assert len(router._namespaces) <= 4
+    assert len(router.hasher._seeds) <= 4  # type: ignore[attr-defined]
