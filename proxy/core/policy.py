@@ -35,7 +35,8 @@ class Candidate:
     load: float  # in-flight requests through this proxy (+ the replica's own queue if known)
     matched: int  # blocks of this request's *specific* prefix the replica was already sent
     # Prompt tokens this replica would have to prefill: the prompt minus the leading blocks it
-    # holds (its reach, common preamble included only where it holds it). Set by the router for
+    # holds (with KV events its reported reach, common preamble included only where held; on
+    # the index the common preamble counts as held everywhere). Set by the router for
     # prefix policies. ``matched`` counts only the specific part: a shared preamble is not
     # affinity, but a replica that lacks it still pays to prefill it.
     new_tokens: int = 0

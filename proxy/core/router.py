@@ -120,10 +120,15 @@ class Router:
         for r, load in loads:
             d = reach[r]
             matched = d - common if d > common else 0
-            # Prefill is priced from what this replica holds (its reach), common preamble or
-            # not: a preamble that is common because it branches (rule 2) may be missing here --
-            # never sent, or reported evicted by the replica's events -- and is then prefilled.
-            new = length - d * bs
+            # With KV events, prefill is priced from what this replica reports holding (its
+            # reach): a preamble common because it branches (rule 2) may have been evicted
+            # there, and is then prefilled again (kv_events.md, section 2). The index cannot see
+            # evictions and prices the common preamble as held everywhere: that is what spreads
+            # new prompts sharing a system prompt over the fleet instead of sending each one
+            # after the first (priced as missing where never sent, 12 groups in a row went to
+            # one of 2 idle replicas: test_group_of_eight_lands_on_one_replica...).
+            held = d if precise is not None else max(d, common)
+            new = length - held * bs
             candidates.append(Candidate(r, load, matched, new, length, capacity.get(r, 0)))
         decision = self.policy.choose(candidates)
         self.index.record(blocks, decision.replica, values)

@@ -47,16 +47,19 @@ def _warm_template_on_replica_0(router: Router) -> None:
         router.route(RoutingKey("m", TEMPLATE + tail, None, None, False, 1), [(0, 0.0)])
 
 
-def test_a_replica_lacking_the_common_preamble_is_charged_its_prefill() -> None:
+def test_the_index_prices_the_common_preamble_as_held_everywhere() -> None:
+    """Without events the index cannot tell "evicted" from "not yet sent", and a common preamble
+    is priced as held on every replica: otherwise each new prompt sharing it would follow the
+    first replica that was sent it, however idle the others are."""
     policy = Recording()
     router = Router(FastHasher(16), PrefixIndex(1000), policy)
     _warm_template_on_replica_0(router)
     tokens = TEMPLATE + list(range(200, 264))  # 96 tokens: 6 blocks, 5 matchable
     router.route(RoutingKey("m", tokens, None, None, False, 1), [(0, 0.0), (1, 0.0)])
-    # Neither holds anything specific; replica 0 holds the 2-block preamble, replica 1 nothing.
+    # Neither holds anything specific; only replica 0 was sent the 2-block preamble.
     assert [(c.replica, c.matched, c.new_tokens) for c in policy.seen] == [
         (0, 0, 96 - 32),
-        (1, 0, 96),
+        (1, 0, 96 - 32),
     ]
 
 
