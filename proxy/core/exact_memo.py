@@ -3,10 +3,10 @@
 A block's vLLM digest is a pure function of the namespace (adapter name and path, cache salt)
 and every token up to the block's end. The fast mode's 64-bit xxh3 chain over the same tokens
 names that prefix, so ``(namespace, chain key) -> digest`` can be looked up instead of
-recomputed. Routing sees the same prefixes again and again: the 8 rollouts of a GRPO group share their prompt, and
-an agent's next turn is its last prompt plus the completion plus the tool's answer. Only the
-blocks not seen before are hashed by vLLM's function; the rest cost one xxh3 step and one dict
-lookup (bench.run_kv_events_micro measures both).
+recomputed. Routing sees the same prefixes again and again: the 8 rollouts of a GRPO group
+share their prompt, and an agent's next turn is its last prompt plus the completion plus the
+tool's answer. Only the blocks not seen before are hashed by vLLM's function; the rest cost one
+xxh3 step and one dict lookup (bench.run_kv_events_micro measures both).
 
 Exactness: the memo maps a prefix to the digest vLLM's function returned for that very prefix,
 so a hit returns what a fresh computation would, whatever was evicted before (eviction only
