@@ -54,6 +54,12 @@ MAX_PENDING_PREDICTIONS = 65_536
 STORED = "BlockStored"
 REMOVED = "BlockRemoved"
 CLEARED = "AllBlocksCleared"
+# The proxy's hashes are taken to differ from a replica's once this many blocks it predicted there
+# expired unreported while none was ever reported (the check that works on adapter and non-root
+# blocks, see ``ReplicaView.hashes_match``). With equal hashes a routed prompt's new blocks are
+# reported stored within one scheduler step (milliseconds), so only requests that all failed
+# before being scheduled could leave 256 -- 16 prompts of 16 blocks -- unconfirmed otherwise.
+HASH_REFUTE_AFTER_BLOCKS = 256
 # Only blocks in accelerator memory serve prefix hits for routing; vLLM tags them "GPU" (or omits
 # the field on older versions). Offloaded tiers ("CPU", connectors) are ignored.
 ROUTED_MEDIA = (None, "GPU")
@@ -203,10 +209,24 @@ class ReplicaView:
         self.resyncs = 0
         self.dropped = 0  # times the view stopped being trusted
         self.overflow = 0  # keys forgotten to respect ``capacity``
-        # Whether the proxy's exact hashes reproduce this replica's keys (checked on a base-model
-        # root block, see ``root_block``): None until checked. A replica whose keys differ (wrong
-        # PROXY_VLLM_HASH_SEED or algorithm) would never match: it is routed on the index.
+        # Whether the proxy's exact hashes reproduce this replica's keys: None until known. A
+        # replica whose keys differ (wrong PROXY_VLLM_HASH_SEED or algorithm) would never match:
+        # it is routed on the index. Known from any of
+        # - a base-model root block, recomputed from its event alone (``root_block``): confirms
+        #   or refutes;
+        # - a block the proxy predicted here (``expect``: its own key for a block it sent) being
+        #   reported stored or removed: confirms, on any block -- an adapter's, a salted one, a
+        #   non-root one (equal 64-bit keys from different hash functions or seeds: 2**-64);
+        # - HASH_REFUTE_AFTER_BLOCKS predicted blocks expiring unreported, none ever reported:
+        #   refutes, on any block.
+        # Why adapter and non-root blocks cannot be recomputed from their event instead: vLLM
+        # hashes an adapter block with ("lora", name, path) but its event carries the name only
+        # (``lora_name``, untagged ``extra_keys``), and a non-root block from its parent's full
+        # 32-byte digest while the event carries the parent's low 64 bits (tests/unit/
+        # test_kv_events_edge.py shows both).
         self.hashes_match: bool | None = None
+        self.predictions_confirmed = 0  # predicted blocks the replica reported
+        self.predictions_expired = 0  # predicted blocks that expired unreported
 
     @property
     def usable(self) -> bool:
@@ -268,22 +288,27 @@ class ReplicaView:
             self.drop()
             return True
         blocks, pending = self.blocks, self.pending
+        confirmed = 0
         for event in events:
             self.events += 1
             if event.kind == STORED:
                 # Idempotent: vLLM's "full" report mode re-reports hits.
                 for key in event.keys:
                     blocks[key] = None
-                    if pending:
-                        pending.pop(key, None)
+                    if pending and pending.pop(key, None) is not None:
+                        confirmed += 1
             elif event.kind == REMOVED:
                 for key in event.keys:
                     blocks.pop(key, None)
-                    if pending:
-                        pending.pop(key, None)
+                    if pending and pending.pop(key, None) is not None:
+                        confirmed += 1
             else:
                 self._resync()
                 blocks, pending = self.blocks, self.pending
+        if confirmed:
+            self.predictions_confirmed += confirmed
+            if self.hashes_match is None:
+                self.hashes_match = True
         overflow = len(blocks) - self.capacity
         if overflow > 0:
             for key in list(_first(blocks, overflow)):
@@ -330,11 +355,21 @@ class ReplicaView:
         """How many leading ``keys`` the replica holds or was just sent (vLLM's own hit also
         stops at the first missing block)."""
         blocks, pending = self.blocks, self.pending
+        expired = 0
         while pending:
             key, deadline = next(iter(pending.items()))
             if deadline > now:
                 break
             del pending[key]
+            expired += 1
+        if expired:
+            self.predictions_expired += expired
+            if (
+                self.hashes_match is None
+                and not self.predictions_confirmed
+                and self.predictions_expired >= HASH_REFUTE_AFTER_BLOCKS
+            ):
+                self.hashes_match = False
         n = 0
         for key in keys:
             if key not in blocks and key not in pending:

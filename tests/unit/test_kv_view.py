@@ -458,3 +458,44 @@ def test_text_prompts_route_on_the_index_even_with_live_views() -> None:
     again = router.route(text, [(0, 0.0), (1, 0.0)])
     assert again.replica == first.replica and again.outcome == "affinity"
     assert router.precise.outcome(first) is None  # no prediction: nothing to check it against
+
+
+# -- the hash check on adapter and non-root blocks ---------------------------------------------
+
+
+@pytest.mark.parametrize(("proxy_seed", "confirmed"), [("0", True), (None, False)])
+def test_predicted_adapter_blocks_confirm_or_refute_the_hashes(
+    proxy_seed: str | None, confirmed: bool
+) -> None:
+    """An adapter's blocks (salted too) have no root block the proxy can recompute from the
+    event (test_kv_events_edge.py says why); the blocks it predicted on a replica settle it:
+    reported -> the hashes match; 256 expired unreported, none ever reported -> they differ."""
+    clock = Clock()
+    replica = VllmHasher(16, "sha256", "0")  # the replicas run with PYTHONHASHSEED=0
+    router = Router(VllmHasher(16, "sha256", proxy_seed), PrefixIndex(10_000), PrefixAffinity(8))
+    view = live_view(10_000)
+    router.precise = PreciseMatcher({0: view}, clock)
+    tokens = list(range(300, 300 + 16 * 300))  # 300 blocks: more than the refutation needs
+    ns = Namespace("trl-policy-v3", "/adapters/v3", "salt")
+    request = RoutingKey(ns.model, tokens, None, ns.cache_salt, False, 1)
+    router.route(request, [(0, 0.0)], ns.lora_path)
+    # vLLM schedules the request and reports its blocks, the root one aside (as if an earlier
+    # request had cached it): every reported block is an adapter block with a parent.
+    reported = replica.hash_tokens(tokens, ns)
+    view.apply(1, batch(stored(*reported[1:], parent_block_hash=reported[0], lora_name=ns.model)))
+    assert view.hashes_match is (True if confirmed else None)
+    clock.now += PENDING_TTL_S + 1  # the proxy's other predictions expire unreported
+    router.route(request, [(0, 0.0)], ns.lora_path)
+    assert view.hashes_match is confirmed
+    assert router.precise.live_mask([0]) == (1 if confirmed else 0)
+
+
+def test_too_few_unconfirmed_predictions_refute_nothing() -> None:
+    clock = Clock()
+    view = live_view()
+    matcher = PreciseMatcher({0: view}, clock)
+    view.expect(chain(100), clock.now)  # a prompt sent, its request failed before scheduling
+    clock.now += PENDING_TTL_S + 1
+    assert view.held_prefix(chain(100), clock.now) == 0
+    assert view.predictions_expired == 100 and view.hashes_match is None
+    assert matcher.live_mask([0]) == 1
