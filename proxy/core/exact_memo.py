@@ -34,7 +34,7 @@ MAX_NAMESPACE_IDS = 4096
 
 
 class ExactMemo:
-    """Bounded LRU of block digests by (namespace id, prefix chain key)."""
+    """Bounded LRU of (event key, digest) per block by (namespace id, prefix chain key)."""
 
     def __init__(self, capacity: int = DEFAULT_MEMO_BLOCKS) -> None:
         if capacity < 0:
@@ -42,7 +42,7 @@ class ExactMemo:
         self.capacity = capacity
         # One int key per block: the namespace id in the bits above the 64-bit chain key, so a
         # lookup hashes a plain int (a tuple key measured ~2x slower).
-        self.digests: OrderedDict[int, bytes] = OrderedDict()
+        self.digests: OrderedDict[int, tuple[int, bytes]] = OrderedDict()
         self._ids: dict[object, int] = {}
         self._next_id = 1
         self.hits = 0

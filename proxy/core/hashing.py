@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import pickle
 from array import array
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -237,45 +238,59 @@ class VllmHasher:
             out.append(parent)
         return out
 
-    def _memo_digests(
+    def _memo_keys(
         self, tokens: Sequence[int], namespace: Namespace, parent: tuple[bytes, int] | None
-    ) -> tuple[list[bytes], int]:
-        """``digests``, each block looked up by its prefix first and hashed only when not
-        remembered; and the last block's prefix-chain key (for ``extend``)."""
+    ) -> tuple[list[int], bytes, int]:
+        """The blocks' event keys as ``digests`` would give them, each block looked up by its
+        prefix first and hashed only when not remembered; with the last block's digest and
+        prefix-chain key (for ``extend``). Empty keys when no block is full."""
         # The fast mode's chain (seeded 0: the namespace is told apart by the memo's id).
         data, width = _token_bytes(tokens)
         chain = _chain(data, width * self.block_size, parent[1] if parent else 0)
         if not chain:
-            return [], 0
+            return [], b"", 0
         memo = self.memo
         # The epoch is not part of a digest: purged names keep their entries.
         base = memo.namespace_base((namespace.model, namespace.lora_path, namespace.cache_salt))
         remembered = memo.digests
-        get, touch = remembered.get, remembered.move_to_end
-        first_extra, lora = self._extras(namespace, parent is None)
-        fn, bs = self._fn, self.block_size
-        digest = parent[0] if parent else self._root
-        out: list[bytes] = []
+        memo_keys = [base | link for link in chain]
+        # Remembered blocks are looked up and refreshed (LRU) in C; only from the first block
+        # not remembered on does Python step block by block.
+        entries: list[tuple[int, bytes] | None] = list(map(remembered.get, memo_keys))
+        try:
+            first_miss = entries.index(None)
+        except ValueError:
+            first_miss = len(entries)
+        touch = remembered.move_to_end
+        deque(map(touch, memo_keys[:first_miss]), maxlen=0)
         misses = 0
-        for i, link in enumerate(chain):
-            key = base | link
-            known = get(key)
-            if known is None:
-                extra = first_extra if i == 0 else lora
-                known = remembered[key] = fn((digest, tuple(tokens[i * bs : (i + 1) * bs]), extra))
-                misses += 1
+        if first_miss < len(entries):
+            first_extra, lora = self._extras(namespace, parent is None)
+            fn, bs = self._fn, self.block_size
+            if first_miss:
+                digest = entries[first_miss - 1][1]  # type: ignore[index]
             else:
-                touch(key)
-            out.append(known)
-            digest = known
+                digest = parent[0] if parent else self._root
+            for i in range(first_miss, len(entries)):
+                entry = entries[i]
+                if entry is None:
+                    extra = first_extra if i == 0 else lora
+                    digest = fn((digest, tuple(tokens[i * bs : (i + 1) * bs]), extra))
+                    entry = entries[i] = remembered[memo_keys[i]] = (event_hash(digest), digest)
+                    misses += 1
+                else:
+                    touch(memo_keys[i])
+                    digest = entry[1]
         memo.hits += len(chain) - misses
         memo.misses += misses
         if misses:
             memo.trim()
-        return out, chain[-1]
+        last = entries[-1]
+        assert last is not None
+        return [e[0] for e in entries], last[1], chain[-1]  # type: ignore[index]
 
     def hash_tokens(self, tokens: Sequence[int], namespace: Namespace) -> list[int]:
-        return self._keys(*self._memo_digests(tokens, namespace, None), namespace)
+        return self._keys(*self._memo_keys(tokens, namespace, None), namespace)
 
     def extend(self, parent: int, tokens: Sequence[int], namespace: Namespace) -> list[int] | None:
         """The chain after the prompt whose last key is ``parent``, when that prompt was hashed
@@ -284,7 +299,7 @@ class VllmHasher:
         tail = self._tails.get(parent)
         if tail is None:
             return None
-        return self._keys(*self._memo_digests(tokens, namespace, tail), namespace)
+        return self._keys(*self._memo_keys(tokens, namespace, tail), namespace)
 
     def _mix_epoch(self, keys: list[int], namespace: Namespace) -> list[int]:
         if namespace.epoch:
@@ -294,11 +309,11 @@ class VllmHasher:
             keys = [k ^ mix for k in keys]
         return keys
 
-    def _keys(self, digests: list[bytes], link: int, namespace: Namespace) -> list[int]:
-        keys = self._mix_epoch([event_hash(d) for d in digests], namespace)
+    def _keys(self, keys: list[int], digest: bytes, link: int, namespace: Namespace) -> list[int]:
+        keys = self._mix_epoch(keys, namespace)
         if keys:
             tails = self._tails
-            tails[keys[-1]] = (digests[-1], link)
+            tails[keys[-1]] = (digest, link)
             if len(tails) > MAX_CHAIN_TAILS:
                 del tails[next(iter(tails))]
         return keys

@@ -28,6 +28,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import islice, takewhile
 from typing import Any
 
 from proxy.core.prefix_index import PrefixIndex
@@ -370,11 +371,14 @@ class ReplicaView:
                 and self.predictions_expired >= HASH_REFUTE_AFTER_BLOCKS
             ):
                 self.hashes_match = False
-        n = 0
-        for key in keys:
-            if key not in blocks and key not in pending:
-                break
-            n += 1
+        # The held run first at C speed (half the Python loop's time, bench.run_kv_events_micro),
+        # then blocks just sent, which only the pending map has.
+        n = len(list(takewhile(blocks.__contains__, keys)))
+        if pending:
+            for key in islice(keys, n, None):
+                if key not in blocks and key not in pending:
+                    break
+                n += 1
         return n
 
 
@@ -472,15 +476,14 @@ class PreciseMatcher:
         if depth_limit > known:
             held += [0] * (depth_limit - known)
             branching += [False] * (depth_limit - known)
-        live_alive = live
-        next_out = 0
-        for depth in range(depth_limit):
-            while next_out < len(by_reach) and by_reach[next_out][0] <= depth:
-                live_alive &= ~(1 << by_reach[next_out][1])
-                next_out += 1
-            if not live_alive:
-                break
-            held[depth] |= live_alive
+        # Each depth gets the live replicas whose views reach past it: one slice per distinct
+        # reach, shortest first (a comprehension per slice, not a Python step per depth).
+        alive, start = live, 0
+        for end, r in by_reach:
+            if end > start:
+                held[start:end] = [h | alive for h in held[start:end]]
+                start = end
+            alive &= ~(1 << r)
         reach, common = prefix_reach(held, branching, eligible, replicas)
         self._reach = reach
         self._live_mask = live
