@@ -37,7 +37,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from proxy.core.fleet import Fleet, Status
-from proxy.core.hashing import BlockHasher, Namespace
+from proxy.core.hashing import BlockHasher, Namespace, VllmHasher
 from proxy.core.kv_view import PreciseMatcher, ReplicaView, root_block
 from proxy.settings import Settings
 
@@ -260,7 +260,7 @@ class KvEvents:
         self.settings = settings
         self.fleet = fleet
         self._block_size = block_size
-        self._hasher = hasher
+        self.hasher = hasher  # the router's, read at call time (it may be rebuilt)
         self.views: dict[int, ReplicaView] = {}
         self.matcher = PreciseMatcher(self.views)
         self.subscribers: dict[int, ReplicaSubscriber] = {}
@@ -321,7 +321,7 @@ class KvEvents:
                 self._ctx,
                 s.kv_events_topic,
                 s.kv_events_replay_timeout_s,
-                self._hasher,
+                self.hasher,
             )
             self.subscribers[i] = sub
             sub.start()
@@ -428,7 +428,21 @@ class KvEventsCollector(Collector):
             lag.add_metric(label, sub.lag_s if sub else 0.0)
         yield from families.values()
         yield from (live, blocks, lag)
+        yield from self._memo()
         yield from self._predictions()
+
+    def _memo(self) -> Iterator[Metric]:
+        hasher = self.kv.hasher() if self.kv.hasher is not None else None
+        if not isinstance(hasher, VllmHasher):
+            return
+        p = "rollout_proxy_kv_events_exact_memo_"
+        for name, value, doc in (
+            ("hits", hasher.memo.hits, "Prompt blocks whose vLLM hash was remembered."),
+            ("misses", hasher.memo.misses, "Prompt blocks hashed with vLLM's function."),
+        ):
+            family = CounterMetricFamily(p + name, doc)
+            family.add_metric([], value)
+            yield family
 
     def _predictions(self) -> Iterator[Metric]:
         p = "rollout_proxy_kv_prediction_"
