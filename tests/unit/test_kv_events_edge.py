@@ -148,3 +148,18 @@ def test_adapter_and_non_root_events_do_not_determine_their_keys() -> None:
     parents = (b"\x01" * 24 + low, b"\x02" * 24 + low)
     children = {hasher.digests(tokens, Namespace(""), p)[0] for p in parents}
     assert len(children) == 2
+
+
+def test_the_exact_memo_is_exported_as_hits_and_misses() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    settings = Settings(replicas=["http://a:1"], kv_events=True)
+    hasher = VllmHasher(16)
+    kv = KvEvents(settings, Fleet(settings.replicas), lambda: 16, lambda: hasher)
+    registry = CollectorRegistry()
+    kv.register(registry)
+    for _ in range(3):  # a group's three rollouts: hashed once, remembered twice
+        hasher.hash_tokens(list(range(64)), Namespace("m"))
+    text = generate_latest(registry).decode()
+    assert "rollout_proxy_kv_events_exact_memo_hits_total 8.0" in text
+    assert "rollout_proxy_kv_events_exact_memo_misses_total 4.0" in text
