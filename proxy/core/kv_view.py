@@ -27,9 +27,8 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from itertools import islice, takewhile
-from typing import Any
+from typing import Any, NamedTuple
 
 from proxy.core.prefix_index import PrefixIndex
 from proxy.core.reach import mask_of, prefix_reach, specific
@@ -70,10 +69,16 @@ class MalformedBatch(ValueError):
     """A batch that does not have vLLM's documented shape (the message says where)."""
 
 
-@dataclass(frozen=True, slots=True)
-class KvEvent:
+class KvEvent(NamedTuple):
+    """One parsed event. A named tuple built by ``tuple.__new__``, not a frozen dataclass: ~130
+    are built per routed request on the tight benchmark, and the dataclass's __init__ cost
+    0.9 us of the 1.2 us parse per event, ``tuple.__new__`` ~0.25 (measured on this machine)."""
+
     kind: str  # STORED, REMOVED or CLEARED
     keys: tuple[int, ...] = ()
+
+
+_new_tuple = tuple.__new__
 
 
 def _block_key(value: Any) -> int:
@@ -133,7 +138,7 @@ def parse_event(raw: Any) -> KvEvent | None:
     keys = _keys(fields["block_hashes"])
     if fields.get("medium") not in ROUTED_MEDIA:
         return None
-    return KvEvent(kind, keys)
+    return _new_tuple(KvEvent, (kind, keys))  # KvEvent(kind, keys) without its Python frame
 
 
 def root_block(payload: Any) -> tuple[list[int], int] | None:
