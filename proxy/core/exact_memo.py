@@ -24,8 +24,9 @@ from collections import OrderedDict
 # Blocks remembered. What must survive is a prefix between its uses: a group's prompt until its
 # rollouts are all routed (milliseconds), a rollout's context until its next turn (seconds), for
 # every rollout in flight. TRL keeps up to a few hundred in flight (max_inflight_tasks) at up to
-# 256 blocks (4,096 tokens): 2**16 blocks covers 256 such contexts. Measured ~200 bytes per
-# entry (bench.run_kv_events_micro), ~13 MB when full. A miss costs one sha256, never a wrong key.
+# 256 blocks (4,096 tokens): 2**16 blocks covers 256 such contexts. Measured 279 bytes per
+# entry (bench.run_kv_events_micro: slot, int key, event key, 32-byte digest), ~18 MB when full.
+# A miss costs one sha256, never a wrong key.
 DEFAULT_MEMO_BLOCKS = 65_536
 # Namespace ids kept (a client may send a fresh cache salt per request): when full the table is
 # emptied and ids continue from where they were, so an old id is never given to another
