@@ -3,8 +3,10 @@
 the replica reported (``rollout_proxy_kv_prediction_*``), read from the proxy's /metrics.
 
     python -m bench.kv_events_report OUT/routing.json
+    python -m bench.kv_events_report S0/routing.json S1/routing.json S2/routing.json
 
-prints the side-by-side table of bench/results/kv_events.md from a run's routing.json."""
+prints the side-by-side table of bench/results/kv_events.md from a run's routing.json, or, given
+several runs (seeds), each run's pair and the pooled means per fleet size."""
 
 from __future__ import annotations
 
@@ -127,15 +129,79 @@ def comparison(raw: dict[str, Any], workload: str = "tight") -> str:
 _OUTCOMES = ("affinity", "spilled", "unmatched")
 
 
+def _memo_share(r: dict[str, Any]) -> str:
+    kv = r.get("kv_events") or {}
+    hits, misses = kv.get("exact_memo_hits", 0.0), kv.get("exact_memo_misses", 0.0)
+    return pct(hits / (hits + misses), 0) if hits + misses else "-"
+
+
+def pooled(raws: Sequence[dict[str, Any]], workload: str = "tight") -> str:
+    """``proxy-events`` against ``proxy`` over several runs (seeds): every run's pair, then the
+    mean of each per fleet size -- oracle hits, throughput, p99, router CPU and the real
+    latency each router added per request (p50) -- and the differences of the means."""
+    cells: dict[int, list[tuple[str, dict[str, Any], dict[str, Any]]]] = {}
+    for raw in raws:
+        runs = {
+            (r["router"], r["replicas"]): r
+            for r in raw["results"]
+            if r["workload"] == workload and r["status"] == "ok"
+        }
+        for (router, n), events in runs.items():
+            index = runs.get(("proxy", n))
+            if router == "proxy-events" and index is not None:
+                cells.setdefault(n, []).append((raw.get("measured_at", "?"), index, events))
+
+    def cols(r: dict[str, Any]) -> str:
+        return (
+            f"{pct(r['oracle_ratio'])} / {r['throughput_tok_s']:.0f} / {r['p99_s']:.2f} / "
+            f"{r['router_cpu_ms']:.1f} / {r['added_p50_ms']:.0f}"
+        )
+
+    def diff(index: dict[str, float], events: dict[str, float]) -> str:
+        return (
+            f"{100 * (events['oracle_ratio'] - index['oracle_ratio']):+.1f} / "
+            f"{100 * (events['throughput_tok_s'] / index['throughput_tok_s'] - 1):+.1f}% / "
+            f"{100 * (events['p99_s'] / index['p99_s'] - 1):+.1f}%"
+        )
+
+    keys = ("oracle_ratio", "throughput_tok_s", "p99_s", "router_cpu_ms", "added_p50_ms")
+    rows = []
+    for n in sorted(cells):
+        for at, index, events in cells[n]:
+            rows.append([str(n), at, cols(index), cols(events), diff(index, events),
+                         _memo_share(events)])  # fmt: skip
+        mean = [
+            {k: sum(pair[side][k] for pair in cells[n]) / len(cells[n]) for k in keys}
+            for side in (1, 2)
+        ]
+        rows.append([f"**{n}**", f"**pooled, {len(cells[n])} runs**", cols(mean[0]),
+                     cols(mean[1]), f"**{diff(mean[0], mean[1])}**", ""])  # fmt: skip
+    head = [
+        "replicas",
+        "run (measured at)",
+        "proxy: hits of oracle / tok/s / p99 s / router CPU ms / added ms p50",
+        "proxy-events: same",
+        "events - proxy: points / throughput / p99",
+        "exact memo hits",
+    ]
+    return table(head, rows)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m bench.kv_events_report",
         description="proxy vs proxy-events side by side, from a run_routing routing.json",
     )
-    p.add_argument("routing_json", type=Path)
+    p.add_argument("routing_json", type=Path, nargs="+", help="several: pooled (seeds)")
     p.add_argument("--workload", default="tight")
     args = p.parse_args(argv)
-    raw = json.loads(args.routing_json.read_text())
+    if len(args.routing_json) > 1:
+        raws = [json.loads(path.read_text()) for path in args.routing_json]
+        print(pooled(raws, args.workload), end="")
+        for raw in raws:
+            print(f"\n`{raw['command']}`; measured {raw.get('measured_at', '?')}")
+        return 0
+    raw = json.loads(args.routing_json[0].read_text())
     print(comparison(raw, args.workload), end="")
     print(f"\n`{raw['command']}`; measured {raw.get('measured_at', '?')}, {raw['wall_s']:.0f} s")
     return 0

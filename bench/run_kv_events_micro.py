@@ -13,9 +13,11 @@ the ratios, not the absolute figures with another run.
 from __future__ import annotations
 
 import argparse
+import itertools
 import random
 import time
 import tracemalloc
+from array import array
 from collections.abc import Callable
 
 import msgpack
@@ -101,6 +103,15 @@ def request_costs(rng: random.Random, prompt_tokens: int) -> list[tuple[str, flo
     tokens = [rng.randrange(151_000) for _ in range(prompt_tokens)]
     ns = Namespace("trl-policy-v7", "/adapters/trl-policy-v7")
     fast, exact = FastHasher(BLOCK), VllmHasher(BLOCK, "sha256")
+    # The same hashes without the memo (proxy/core/exact_memo.py): every block sha256-hashed,
+    # what a prompt nobody sent before costs.
+    cold = VllmHasher(BLOCK, "sha256", memo_blocks=0)
+    # An agent's next turn: this prompt + a 600-token completion + a 64-token tool answer, new
+    # each call (2,048 of them, more blocks than the memo holds, so none is remembered when it
+    # comes round again) while the prompt's own blocks stay remembered.
+    prompt_ids = array("I", tokens)
+    turns = [array("I", (rng.randrange(151_000) for _ in range(664))) for _ in range(2048)]
+    turn_no = itertools.count()
     keys = exact.hash_tokens(tokens, ns)
     matchable = keys[: (prompt_tokens - 1) // BLOCK]
     index = PrefixIndex(1 << 19)
@@ -128,29 +139,42 @@ def request_costs(rng: random.Random, prompt_tokens: int) -> list[tuple[str, flo
     plain = Router(exact, PrefixIndex(1 << 19), PrefixAffinity(8))
     precise = Router(exact, PrefixIndex(1 << 19), PrefixAffinity(8))
     precise.precise = PreciseMatcher(views)
+    precise_cold = Router(cold, PrefixIndex(1 << 19), PrefixAffinity(8))
+    precise_cold.precise = PreciseMatcher(views)
     # Remembering a 600-token completion (Router.record_completion): both modes extend the
     # prompt's chain (the exact hasher remembers recent prompts' last full digest; before it
     # did, the exact mode hashed prompt and completion again: 776 us vs 36 fast at 4,096).
-    completion = [rng.randrange(151_000) for _ in range(600)]
+    # A new completion each call (as turns above), so the exact mode hashes its blocks.
+    completions = [[rng.randrange(151_000) for _ in range(600)] for _ in range(2048)]
     fast_router = Router(fast, PrefixIndex(1 << 19), PrefixAffinity(8))
     fast_decision, exact_decision = fast_router.route(key, loads), plain.route(key, loads)
     return [
         (f"{prompt_tokens}-token prompt: fast hashes (default mode)", per_call_us(
             lambda: fast.hash_tokens(tokens, ns))),
-        (f"{prompt_tokens}-token prompt: exact vLLM hashes (sha256, needed by events)",
-         per_call_us(lambda: exact.hash_tokens(tokens, ns))),
+        (f"{prompt_tokens}-token prompt: exact vLLM hashes, prompt not seen before (sha256 "
+         "every block)", per_call_us(lambda: cold.hash_tokens(tokens, ns))),
+        (f"{prompt_tokens}-token prompt: exact vLLM hashes, prompt remembered (a group's other "
+         "rollouts)", per_call_us(lambda: exact.hash_tokens(tokens, ns))),
+        (f"{prompt_tokens}-token prompt: exact vLLM hashes, next turn (+664 new tokens)",
+         per_call_us(lambda: exact.hash_tokens(prompt_ids + turns[next(turn_no) % 2048], ns))),
+        (f"{prompt_tokens}-token prompt: fast hashes, next turn (+664 new tokens)",
+         per_call_us(lambda: fast.hash_tokens(prompt_ids + turns[next(turn_no) % 2048], ns))),
         (f"{prompt_tokens}-token prompt: index match (Router.specific_matches)", per_call_us(
             lambda: router.specific_matches(matchable, replicas))),
         (f"{prompt_tokens}-token prompt: precise match over 4 live views", per_call_us(
             lambda: matcher.specific_matches(index, matchable, matchable, replicas))),
         (f"{prompt_tokens}-token prompt: whole route(), exact, index only", per_call_us(
             lambda: plain.route(key, loads))),
-        (f"{prompt_tokens}-token prompt: whole route(), exact, 4 live views", per_call_us(
-            lambda: precise.route(key, loads))),
+        (f"{prompt_tokens}-token prompt: whole route(), exact, 4 live views, prompt not seen "
+         "before", per_call_us(lambda: precise_cold.route(key, loads))),
+        (f"{prompt_tokens}-token prompt: whole route(), exact, 4 live views, prompt remembered",
+         per_call_us(lambda: precise.route(key, loads))),
         (f"{prompt_tokens}-token prompt: record a 600-token completion, fast", per_call_us(
-            lambda: fast_router.record_completion(key, fast_decision, completion))),
+            lambda: fast_router.record_completion(
+            key, fast_decision, completions[next(turn_no) % 2048]))),
         (f"{prompt_tokens}-token prompt: record a 600-token completion, exact", per_call_us(
-            lambda: plain.record_completion(key, exact_decision, completion))),
+            lambda: plain.record_completion(
+            key, exact_decision, completions[next(turn_no) % 2048]))),
         ("answer check: cached_tokens regex over a 600-token answer", per_call_us(
             lambda: _CACHED_TOKENS.search(body))),
     ]  # fmt: skip
@@ -171,6 +195,20 @@ def view_bytes_per_block(n: int = 200_000) -> float:
     return used / len(view)
 
 
+def memo_bytes_per_block(n: int = 65_536) -> float:
+    """The exact hasher's memo per remembered block: its OrderedDict slot, the int key (the
+    namespace id above 64 bits) and the 32-byte digest."""
+    rng = random.Random(4)
+    tokens = array("I", (rng.randrange(151_000) for _ in range(n * BLOCK)))
+    hasher = VllmHasher(BLOCK, "sha256", memo_blocks=n)
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    hasher.hash_tokens(tokens, Namespace("trl-policy-v7", "/adapters/trl-policy-v7"))
+    used = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    return used / len(hasher.memo.digests)
+
+
 def main(argv: list[str] | None = None) -> int:
     argparse.ArgumentParser(
         prog="python -m bench.run_kv_events_micro", description=__doc__
@@ -184,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, us in rows:
         print(f"| {name} | {us:.1f} |")
     print(f"\nview memory: {view_bytes_per_block():.0f} bytes per cached block (tracemalloc)")
+    print(f"exact-hash memo: {memo_bytes_per_block():.0f} bytes per remembered block (tracemalloc)")
     return 0
 
 

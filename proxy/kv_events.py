@@ -37,7 +37,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from proxy.core.fleet import Fleet, Status
-from proxy.core.hashing import BlockHasher, Namespace
+from proxy.core.hashing import BlockHasher, Namespace, VllmHasher
 from proxy.core.kv_view import PreciseMatcher, ReplicaView, root_block
 from proxy.settings import Settings
 
@@ -131,6 +131,7 @@ class ReplicaSubscriber:
         self.replays = 0
         self.replay_failures = 0
         self.bad_frames = 0
+        self._mismatch_logged = False
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -185,6 +186,15 @@ class ReplicaSubscriber:
         view.apply(seq, payload)
         if view.hashes_match is not True and self._hasher is not None:
             self._check_hashes(payload)
+        if view.hashes_match is False and not self._mismatch_logged:
+            # Set by a root block here or by unconfirmed predictions while routing (kv_view.py).
+            self._mismatch_logged = True
+            log.error(
+                "replica %d: its KV-event block hashes differ from the proxy's exact hashes; "
+                "check PROXY_VLLM_HASH_SEED (the replicas' PYTHONHASHSEED) and "
+                "PROXY_VLLM_HASH_ALGO. Routing uses the index for this replica.",
+                self.index,
+            )
         now = time.time()
         ts = batch_time(payload)
         if ts is not None:
@@ -193,7 +203,8 @@ class ReplicaSubscriber:
 
     def _check_hashes(self, payload: Any) -> None:
         """Compare a base-model root block's reported key with the proxy's exact hash of its
-        tokens (one sha256; done until the first block that can be checked)."""
+        tokens (one sha256; done until the hashes are confirmed, by such a block or by a
+        predicted block on any other, see ``ReplicaView.hashes_match``)."""
         assert self._hasher is not None
         root = root_block(payload)
         if root is None:
@@ -202,15 +213,7 @@ class ReplicaSubscriber:
         hasher = self._hasher()
         if hasher.mode != "exact" or len(tokens) != hasher.block_size:
             return
-        match = hasher.hash_tokens(tokens, Namespace("")) == [reported]
-        if not match and self.view.hashes_match is None:
-            log.error(
-                "replica %d: its KV-event block hashes differ from the proxy's exact hashes; "
-                "check PROXY_VLLM_HASH_SEED (the replicas' PYTHONHASHSEED) and "
-                "PROXY_VLLM_HASH_ALGO. Routing uses the index for this replica.",
-                self.index,
-            )
-        self.view.hashes_match = match
+        self.view.hashes_match = hasher.hash_tokens(tokens, Namespace("")) == [reported]
 
     async def _replay(self, start: int, until: int) -> None:
         """Ask the replica's replay socket for batches ``start..until-1`` and apply them."""
@@ -257,7 +260,7 @@ class KvEvents:
         self.settings = settings
         self.fleet = fleet
         self._block_size = block_size
-        self._hasher = hasher
+        self.hasher = hasher  # the router's, read at call time (it may be rebuilt)
         self.views: dict[int, ReplicaView] = {}
         self.matcher = PreciseMatcher(self.views)
         self.subscribers: dict[int, ReplicaSubscriber] = {}
@@ -318,7 +321,7 @@ class KvEvents:
                 self._ctx,
                 s.kv_events_topic,
                 s.kv_events_replay_timeout_s,
-                self._hasher,
+                self.hasher,
             )
             self.subscribers[i] = sub
             sub.start()
@@ -355,6 +358,8 @@ class KvEvents:
                 "replay_endpoint": sub.endpoints.replay if sub else None,
                 "live": view.live,
                 "hashes_match": view.hashes_match,
+                "predictions_confirmed": view.predictions_confirmed,
+                "predictions_expired": view.predictions_expired,
                 "blocks": len(view),
                 "next_seq": view.next_seq,
                 "batches": view.batches,
@@ -423,7 +428,21 @@ class KvEventsCollector(Collector):
             lag.add_metric(label, sub.lag_s if sub else 0.0)
         yield from families.values()
         yield from (live, blocks, lag)
+        yield from self._memo()
         yield from self._predictions()
+
+    def _memo(self) -> Iterator[Metric]:
+        hasher = self.kv.hasher() if self.kv.hasher is not None else None
+        if not isinstance(hasher, VllmHasher):
+            return
+        p = "rollout_proxy_kv_events_exact_memo_"
+        for name, value, doc in (
+            ("hits", hasher.memo.hits, "Prompt blocks whose vLLM hash was remembered."),
+            ("misses", hasher.memo.misses, "Prompt blocks hashed with vLLM's function."),
+        ):
+            family = CounterMetricFamily(p + name, doc)
+            family.add_metric([], value)
+            yield family
 
     def _predictions(self) -> Iterator[Metric]:
         p = "rollout_proxy_kv_prediction_"

@@ -23,12 +23,15 @@ from __future__ import annotations
 import hashlib
 import pickle
 from array import array
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import cbor2
 import xxhash
+
+from proxy.core.exact_memo import DEFAULT_MEMO_BLOCKS, ExactMemo
 
 HASH_MODES = ("fast", "exact")
 VLLM_HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
@@ -164,8 +167,8 @@ def event_hash(digest: bytes) -> int:
 
 # Chain tails the exact hasher remembers for ``extend``: a completion is learned a few ms to
 # minutes after its prompt was hashed, with up to TRL's max_inflight_tasks (a few hundred)
-# rollouts in between; 4,096 covers that ten times over for ~0.5 MB (a 32-byte digest and an
-# int key each).
+# rollouts in between; 4,096 covers that ten times over for ~0.7 MB (a 32-byte digest, its
+# prefix-chain key and an int key each).
 MAX_CHAIN_TAILS = 4096
 
 
@@ -176,36 +179,55 @@ class VllmHasher:
     The chain input is ``(parent_digest, tuple(block_tokens), extra)`` where extra is
     ``(("lora", name, path),)`` on every block of an adapter request, ``("cache_salt", salt)``
     appended on block 0 only, and None when neither applies.
+
+    Each block's digest is remembered by its prefix (proxy/core/exact_memo.py, at most
+    ``memo_blocks``), so a prefix seen before -- a GRPO group's prompt, an agent's last turn --
+    is not hashed again; ``digests`` is the reference computation and never reads the memo.
     """
 
     mode = "exact"
 
-    def __init__(self, block_size: int, algo: str = "sha256", seed: str | None = None) -> None:
+    def __init__(
+        self,
+        block_size: int,
+        algo: str = "sha256",
+        seed: str | None = None,
+        memo_blocks: int = DEFAULT_MEMO_BLOCKS,
+    ) -> None:
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
         if algo not in _VLLM_FUNCTIONS:
             raise ValueError(f"unknown vLLM hash algorithm {algo!r}; one of {VLLM_HASH_ALGOS}")
         self.block_size = block_size
         self.algo = algo
+        self.seed = seed
         self._fn = _VLLM_FUNCTIONS[algo]
         self._root = self._fn(seed if seed is not None else VLLM_DEFAULT_SEED)
         self._text = FastHasher(block_size)
-        # The full digest behind the last key of recently hashed prompts, so that ``extend``
-        # can continue a chain (an index key keeps only 64 of the digest's bits). Insertion
-        # ordered, the oldest dropped first.
-        self._tails: dict[int, bytes] = {}
+        self.memo = ExactMemo(memo_blocks)
+        # The full digest (and prefix-chain key) behind the last key of recently hashed
+        # prompts, so that ``extend`` can continue a chain (an index key keeps only 64 of the
+        # digest's bits). Insertion ordered, the oldest dropped first.
+        self._tails: dict[int, tuple[bytes, int]] = {}
+
+    def _extras(
+        self, namespace: Namespace, at_root: bool
+    ) -> tuple[tuple[Any, ...] | None, tuple[Any, ...] | None]:
+        """(extra keys of the first block hashed, of every later block)."""
+        lora: tuple[Any, ...] | None = None
+        if namespace.lora_path is not None:
+            lora = (("lora", namespace.model, namespace.lora_path),)
+        if namespace.cache_salt and at_root:
+            return (*(lora or ()), ("cache_salt", namespace.cache_salt)), lora
+        return lora, lora
 
     def digests(
         self, tokens: Sequence[int], namespace: Namespace, parent: bytes | None = None
     ) -> list[bytes]:
         """Full vLLM digests (what ``request.block_hashes`` holds inside vLLM); from
-        ``parent``'s block on when given (then ``tokens`` start at a block boundary after it)."""
-        lora: tuple[Any, ...] | None = None
-        if namespace.lora_path is not None:
-            lora = (("lora", namespace.model, namespace.lora_path),)
-        first_extra: tuple[Any, ...] | None = lora
-        if namespace.cache_salt and parent is None:
-            first_extra = (*(lora or ()), ("cache_salt", namespace.cache_salt))
+        ``parent``'s block on when given (then ``tokens`` start at a block boundary after it).
+        Computed afresh: the reference the memoised path is tested against."""
+        first_extra, lora = self._extras(namespace, parent is None)
         fn, bs = self._fn, self.block_size
         if parent is None:
             parent = self._root
@@ -216,28 +238,82 @@ class VllmHasher:
             out.append(parent)
         return out
 
+    def _memo_keys(
+        self, tokens: Sequence[int], namespace: Namespace, parent: tuple[bytes, int] | None
+    ) -> tuple[list[int], bytes, int]:
+        """The blocks' event keys as ``digests`` would give them, each block looked up by its
+        prefix first and hashed only when not remembered; with the last block's digest and
+        prefix-chain key (for ``extend``). Empty keys when no block is full."""
+        # The fast mode's chain (seeded 0: the namespace is told apart by the memo's id).
+        data, width = _token_bytes(tokens)
+        chain = _chain(data, width * self.block_size, parent[1] if parent else 0)
+        if not chain:
+            return [], b"", 0
+        memo = self.memo
+        # The epoch is not part of a digest: purged names keep their entries.
+        base = memo.namespace_base((namespace.model, namespace.lora_path, namespace.cache_salt))
+        remembered = memo.digests
+        memo_keys = [base | link for link in chain]
+        # Remembered blocks are looked up and refreshed (LRU) in C; only from the first block
+        # not remembered on does Python step block by block.
+        entries: list[tuple[int, bytes] | None] = list(map(remembered.get, memo_keys))
+        try:
+            first_miss = entries.index(None)
+        except ValueError:
+            first_miss = len(entries)
+        touch = remembered.move_to_end
+        deque(map(touch, memo_keys[:first_miss]), maxlen=0)
+        misses = 0
+        if first_miss < len(entries):
+            first_extra, lora = self._extras(namespace, parent is None)
+            fn, bs = self._fn, self.block_size
+            if first_miss:
+                digest = entries[first_miss - 1][1]  # type: ignore[index]
+            else:
+                digest = parent[0] if parent else self._root
+            for i in range(first_miss, len(entries)):
+                entry = entries[i]
+                if entry is None:
+                    extra = first_extra if i == 0 else lora
+                    digest = fn((digest, tuple(tokens[i * bs : (i + 1) * bs]), extra))
+                    entry = entries[i] = remembered[memo_keys[i]] = (event_hash(digest), digest)
+                    misses += 1
+                else:
+                    touch(memo_keys[i])
+                    digest = entry[1]
+        memo.hits += len(chain) - misses
+        memo.misses += misses
+        if misses:
+            memo.trim()
+        last = entries[-1]
+        assert last is not None
+        return [e[0] for e in entries], last[1], chain[-1]  # type: ignore[index]
+
     def hash_tokens(self, tokens: Sequence[int], namespace: Namespace) -> list[int]:
-        return self._keys(self.digests(tokens, namespace), namespace)
+        return self._keys(*self._memo_keys(tokens, namespace, None), namespace)
 
     def extend(self, parent: int, tokens: Sequence[int], namespace: Namespace) -> list[int] | None:
         """The chain after the prompt whose last key is ``parent``, when that prompt was hashed
         recently (learning a completion: re-hashing the prompt cost ~20x the completion's own
         blocks in exact mode, bench.run_kv_events_micro); else None, and the caller restarts."""
-        digest = self._tails.get(parent)
-        if digest is None:
+        tail = self._tails.get(parent)
+        if tail is None:
             return None
-        return self._keys(self.digests(tokens, namespace, digest), namespace)
+        return self._keys(*self._memo_keys(tokens, namespace, tail), namespace)
 
-    def _keys(self, digests: list[bytes], namespace: Namespace) -> list[int]:
-        keys = [event_hash(d) for d in digests]
+    def _mix_epoch(self, keys: list[int], namespace: Namespace) -> list[int]:
         if namespace.epoch:
             # A purge must make old entries unreachable without changing what vLLM would
             # compute, so the epoch is mixed into the index key, not into the digest.
             mix = xxhash.xxh3_64_intdigest(namespace.epoch.to_bytes(8, "little"))
             keys = [k ^ mix for k in keys]
+        return keys
+
+    def _keys(self, keys: list[int], digest: bytes, link: int, namespace: Namespace) -> list[int]:
+        keys = self._mix_epoch(keys, namespace)
         if keys:
             tails = self._tails
-            tails[keys[-1]] = digests[-1]
+            tails[keys[-1]] = (digest, link)
             if len(tails) > MAX_CHAIN_TAILS:
                 del tails[next(iter(tails))]
         return keys

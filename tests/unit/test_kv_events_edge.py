@@ -130,3 +130,36 @@ def test_root_block_of_real_vllm_events_checks_the_proxys_hashes() -> None:
 )  # fmt: skip
 def test_root_block_skips_what_cannot_be_checked(event: object) -> None:
     assert root_block([0.0, [event]]) is None
+
+
+def test_adapter_and_non_root_events_do_not_determine_their_keys() -> None:
+    """Why the root-block check cannot be applied to other blocks (kv_view.ReplicaView says
+    what confirms those instead): the event lacks part of what vLLM hashed."""
+    hasher = VllmHasher(16, "sha256", "0")
+    tokens = list(range(16))
+    # An adapter's root block: vLLM hashes ("lora", name, path); the event carries the name
+    # (lora_name, extra_keys [[name]]) and token ids, identical for two paths of one name.
+    v1 = hasher.hash_tokens(tokens, Namespace("trl-policy", "/adapters/step-100"))
+    v2 = hasher.hash_tokens(tokens, Namespace("trl-policy", "/adapters/step-200"))
+    assert v1 != v2
+    # A non-root block: vLLM chains the parent's full 32-byte digest; the event carries its low
+    # 64 bits (parent_block_hash). Two parents agreeing on those bits give different children.
+    low = (12345).to_bytes(8, "big")
+    parents = (b"\x01" * 24 + low, b"\x02" * 24 + low)
+    children = {hasher.digests(tokens, Namespace(""), p)[0] for p in parents}
+    assert len(children) == 2
+
+
+def test_the_exact_memo_is_exported_as_hits_and_misses() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    settings = Settings(replicas=["http://a:1"], kv_events=True)
+    hasher = VllmHasher(16)
+    kv = KvEvents(settings, Fleet(settings.replicas), lambda: 16, lambda: hasher)
+    registry = CollectorRegistry()
+    kv.register(registry)
+    for _ in range(3):  # a group's three rollouts: hashed once, remembered twice
+        hasher.hash_tokens(list(range(64)), Namespace("m"))
+    text = generate_latest(registry).decode()
+    assert "rollout_proxy_kv_events_exact_memo_hits_total 8.0" in text
+    assert "rollout_proxy_kv_events_exact_memo_misses_total 4.0" in text

@@ -7,6 +7,8 @@ import random
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from proxy.core.extract import RoutingKey
 from proxy.core.hashing import Namespace, VllmHasher
@@ -24,6 +26,7 @@ from proxy.core.kv_view import (
 )
 from proxy.core.policy import PrefixAffinity
 from proxy.core.prefix_index import PrefixIndex
+from proxy.core.reach import mask_of, prefix_reach
 from proxy.core.router import Router
 
 U64 = (1 << 64) - 1
@@ -458,3 +461,84 @@ def test_text_prompts_route_on_the_index_even_with_live_views() -> None:
     again = router.route(text, [(0, 0.0), (1, 0.0)])
     assert again.replica == first.replica and again.outcome == "affinity"
     assert router.precise.outcome(first) is None  # no prediction: nothing to check it against
+
+
+# -- the hash check on adapter and non-root blocks ---------------------------------------------
+
+
+@pytest.mark.parametrize(("proxy_seed", "confirmed"), [("0", True), (None, False)])
+def test_predicted_adapter_blocks_confirm_or_refute_the_hashes(
+    proxy_seed: str | None, confirmed: bool
+) -> None:
+    """An adapter's blocks (salted too) have no root block the proxy can recompute from the
+    event (test_kv_events_edge.py says why); the blocks it predicted on a replica settle it:
+    reported -> the hashes match; 256 expired unreported, none ever reported -> they differ."""
+    clock = Clock()
+    replica = VllmHasher(16, "sha256", "0")  # the replicas run with PYTHONHASHSEED=0
+    router = Router(VllmHasher(16, "sha256", proxy_seed), PrefixIndex(10_000), PrefixAffinity(8))
+    view = live_view(10_000)
+    router.precise = PreciseMatcher({0: view}, clock)
+    tokens = list(range(300, 300 + 16 * 300))  # 300 blocks: more than the refutation needs
+    ns = Namespace("trl-policy-v3", "/adapters/v3", "salt")
+    request = RoutingKey(ns.model, tokens, None, ns.cache_salt, False, 1)
+    router.route(request, [(0, 0.0)], ns.lora_path)
+    # vLLM schedules the request and reports its blocks, the root one aside (as if an earlier
+    # request had cached it): every reported block is an adapter block with a parent.
+    reported = replica.hash_tokens(tokens, ns)
+    view.apply(1, batch(stored(*reported[1:], parent_block_hash=reported[0], lora_name=ns.model)))
+    assert view.hashes_match is (True if confirmed else None)
+    clock.now += PENDING_TTL_S + 1  # the proxy's other predictions expire unreported
+    router.route(request, [(0, 0.0)], ns.lora_path)
+    assert view.hashes_match is confirmed
+    assert router.precise.live_mask([0]) == (1 if confirmed else 0)
+
+
+def test_too_few_unconfirmed_predictions_refute_nothing() -> None:
+    clock = Clock()
+    view = live_view()
+    matcher = PreciseMatcher({0: view}, clock)
+    view.expect(chain(100), clock.now)  # a prompt sent, its request failed before scheduling
+    clock.now += PENDING_TTL_S + 1
+    assert view.held_prefix(chain(100), clock.now) == 0
+    assert view.predictions_expired == 100 and view.hashes_match is None
+    assert matcher.live_mask([0]) == 1
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    reaches=st.lists(st.integers(0, 12), min_size=1, max_size=5),
+    sent=st.lists(st.integers(0, 10), min_size=5, max_size=5),
+    live=st.lists(st.booleans(), min_size=5, max_size=5),
+    prompt=st.integers(0, 10),
+)
+def test_precise_reach_holds_each_live_replica_exactly_up_to_its_view(
+    reaches: list[int], sent: list[int], live: list[bool], prompt: int
+) -> None:
+    """Per depth, a live replica counts as holding the block iff its view's held run passes
+    that depth; other replicas as the index says. Reference: that definition, depth by depth."""
+    replicas = list(range(len(reaches)))
+    keys = chain(prompt, 1000)
+    index = PrefixIndex(1000)
+    views = {}
+    for r in replicas:
+        index.record(keys[: sent[r]], r)
+        view = views[r] = live_view()
+        view.apply(1, batch(stored(*chain(reaches[r], 1000))))
+        if not live[r]:
+            view.drop()
+    matcher = PreciseMatcher(views)
+    values = index.lookup(keys)
+    got = matcher.reach(index, values, keys, replicas)
+    live_mask = matcher.live_mask(replicas)
+    held_by_view = {r: min(reaches[r], prompt) for r in replicas}
+    depth_limit = max([len(values)] + [held_by_view[r] for r in replicas if live_mask >> r & 1])
+    held = index.held(values, mask_of(replicas) & ~live_mask) + [0] * (depth_limit - len(values))
+    for depth in range(depth_limit):
+        for r in replicas:
+            if live_mask >> r & 1 and held_by_view[r] > depth:
+                held[depth] |= 1 << r
+    branching = index.branching(values) + [False] * (depth_limit - len(values))
+    reach, common = prefix_reach(held, branching, mask_of(replicas), replicas)
+    if got != (reach, common):
+        # Only the rollout-home rule may answer otherwise (nothing specific on the views).
+        assert not any(d > common for d in reach.values())
