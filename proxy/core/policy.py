@@ -221,6 +221,13 @@ class CostModel:
 # enough to follow a changed setting within a few steps.
 CONCURRENCY_MEMORY_DECISIONS = 1024
 
+# The concurrency assumed before any is seen: TRL's reference run keeps 128 rollout requests in
+# flight (trainer/recipe.py ``max_inflight_tasks``, "one step's completions"). Without a prior
+# the start-up burst is priced blind: its first groups arrive while few requests are in flight,
+# and are split over empty replicas before the policy has seen how many will follow. A lower
+# concurrency replaces it as it decays (CONCURRENCY_MEMORY_DECISIONS).
+COLD_START_CONCURRENCY = 128.0
+
 
 class CostBased(_RoundRobinTies):
     """The replica where the request adds the least latency (:class:`CostModel`).
@@ -234,10 +241,12 @@ class CostBased(_RoundRobinTies):
     name = "cost"
     uses_prefix = True
 
-    def __init__(self, model: CostModel | None = None) -> None:
+    def __init__(
+        self, model: CostModel | None = None, concurrency: float = COLD_START_CONCURRENCY
+    ) -> None:
         super().__init__()
         self.model = model or CostModel()
-        self.concurrency = 0.0
+        self.concurrency = concurrency
 
     def _projected_excess(self, candidates: Sequence[Candidate]) -> tuple[float, int]:
         """(contexts the fleet will carry beyond what its caches hold, fleet capacity in
@@ -255,11 +264,26 @@ class CostBased(_RoundRobinTies):
         context = max(candidates[0].prompt_tokens, 0) + self.model.expected_output_tokens
         return self.concurrency - fleet_capacity / context, fleet_capacity
 
+    def _holder_has_room(self, candidates: Sequence[Candidate]) -> bool:
+        """Whether a replica holding most of the prompt (fewest new tokens) can take the
+        request without queuing it for memory. Only then is a copy elsewhere avoidable: where
+        the holder's cache is already full, the request waits for blocks there too. On small
+        caches (tight x16: 8,192 tokens, 3.2 contexts of 2,578) this lets a group spread once
+        its holder is full instead of queuing 8 rollouts on one replica."""
+        fewest_new = min(max(c.new_tokens, 0) for c in candidates)
+        output = self.model.expected_output_tokens
+        for c in candidates:
+            if max(c.new_tokens, 0) == fewest_new:
+                slots = c.kv_capacity_tokens / (max(c.prompt_tokens, 0) + output)
+                if max(c.load, 0.0) + 1.0 <= slots:
+                    return True
+        return False
+
     def choose(self, candidates: Sequence[Candidate]) -> Decision:
         if not candidates:
             raise ValueError("no candidates")
         excess, fleet_capacity = self._projected_excess(candidates)
-        if excess > 0.0:
+        if excess > 0.0 and self._holder_has_room(candidates):
             fewest_new = min(max(c.new_tokens, 0) for c in candidates)
             costs = [
                 self.model.cost(

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from proxy.core.policy import (
+    COLD_START_CONCURRENCY,
     CONCURRENCY_MEMORY_DECISIONS,
     POLICIES,
     Candidate,
@@ -234,9 +235,11 @@ def test_a_burst_group_stays_whole_when_the_fleet_will_not_hold_its_contexts() -
     them on each replica, and the copy keeps 1,564 tokens from them for 600 decode steps."""
     idle = [Candidate(r, 0, 0, 1578, 1978, 24_400) for r in (2, 3)]
     fleet = [Candidate(*HOLDER), Candidate(*EMPTY), *idle]
-    # Nothing learned yet: only the current queue counts, and the copy is free.
-    assert CostBased().choose(fleet).outcome == "spilled"
-    policy = CostBased()
+    # Without a concurrency (learned or assumed) only the current queue counts: the copy is free.
+    assert CostBased(concurrency=0.0).choose(fleet).outcome == "spilled"
+    # The cold-start assumption (TRL's reference 128 in flight) already keeps it whole.
+    assert CostBased().choose(fleet).outcome == "affinity"
+    policy = CostBased(concurrency=0.0)
     _learn_concurrency(policy, 63)
     excess, capacity = policy._projected_excess(fleet)
     assert capacity == 4 * 24_400
@@ -257,7 +260,7 @@ def test_roomy_caches_or_unknown_capacity_leave_the_burst_decision_to_compute() 
     """The same group on H100-sized caches (2.24M tokens each: the fleet holds every context)
     or before the capacities are scraped: balance wins, as without the projected term."""
     for capacity in (2_240_000, 0):
-        policy = CostBased()
+        policy = CostBased()  # the cold-start 128 in flight, then 64 learned
         _learn_concurrency(policy, 63)
         fleet = [
             Candidate(*HOLDER[:5], capacity),  # type: ignore[misc]
@@ -266,8 +269,23 @@ def test_roomy_caches_or_unknown_capacity_leave_the_burst_decision_to_compute() 
         assert policy.choose(fleet).replica == 1
 
 
+def test_a_group_spreads_once_its_holder_is_full() -> None:
+    """Tight x16: 8,192-token caches hold 3.2 contexts of 2,578 tokens, so a group of 8 cannot
+    stay on one replica without queuing for memory there; once the holder has 3 requests the
+    copy is no longer avoidable and balance decides, as without the projected term."""
+    small = 8_192
+    holder = (0, 2, 98, 14, 1978, small)
+    assert (
+        CostBased().choose([Candidate(*holder), Candidate(1, 0, 0, 1578, 1978, small)]).replica == 0
+    )
+    full = (0, 3, 98, 14, 1978, small)
+    decision = CostBased().choose([Candidate(*full), Candidate(1, 0, 0, 1578, 1978, small)])
+    assert (decision.replica, decision.outcome) == (1, "spilled")
+
+
 def test_the_learned_concurrency_follows_a_drop_within_the_memory_window() -> None:
-    policy = CostBased()
+    assert CostBased().concurrency == COLD_START_CONCURRENCY
+    policy = CostBased(concurrency=0.0)
     _learn_concurrency(policy, 63)
     assert policy.concurrency == 64
     for _ in range(CONCURRENCY_MEMORY_DECISIONS):
