@@ -147,3 +147,63 @@ def memory_section(results: Sequence[Any]) -> str:
         "relative to their prefix (share of requests: their prompt-token hit rate).\n\n"
         + table(head, rows)
     )
+
+
+def idle_attribution(
+    intervals: Sequence[tuple[int, float, float]], replicas: int
+) -> dict[str, float]:
+    """Where a fleet's idle time came from, from each request's (replica, send, answer).
+
+    A replica idle while another has two or more requests in flight is ``movable`` idle: a
+    placement that had known when those requests would end could have put one of them on the
+    idle replica (no router migrates a running request, so this is an upper bound on what
+    placement can fix). A replica idle while none has two is ``tail`` idle: fewer requests are in
+    flight than there are replicas, and no placement fills it -- the drain of the last rollouts.
+    Both as replica-seconds over the run's replica-seconds (``replicas`` x its span)."""
+    events = sorted(
+        [(t_send, 1, r) for r, t_send, _ in intervals]
+        + [(t_recv, -1, r) for r, _, t_recv in intervals]
+    )
+    if not events or replicas <= 0:
+        return {"movable": float("nan"), "tail": float("nan")}
+    in_flight = [0] * replicas
+    movable = tail = 0.0
+    last = events[0][0]
+    for t, delta, r in events:
+        idle = in_flight.count(0)
+        if idle and t > last:
+            if max(in_flight) >= 2:
+                movable += idle * (t - last)
+            else:
+                tail += idle * (t - last)
+        in_flight[r] += delta
+        last = t
+    span = (events[-1][0] - events[0][0]) * replicas
+    return {"movable": movable / span, "tail": tail / span}
+
+
+def _drain_report(paths: Sequence[str]) -> str:
+    """One line per per-request dump (run_routing's ``requests-*.jsonl``)."""
+    import json
+    from pathlib import Path
+
+    lines = []
+    for path in paths:
+        rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
+        rows = [r for r in rows if r.get("replica") is not None]
+        if not rows:
+            continue
+        n = max(r["replica"] for r in rows) + 1
+        idle = idle_attribution([(r["replica"], r["t_send"], r["t_recv"]) for r in rows], n)
+        lines.append(
+            f"{Path(path).stem.removeprefix('requests-')}: idle while another replica had 2+ "
+            f"requests {pct(idle['movable'])}, idle with no replica holding 2 (the tail) "
+            f"{pct(idle['tail'])} of replica-time"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(_drain_report(sys.argv[1:]))

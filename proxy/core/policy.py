@@ -161,7 +161,9 @@ class CostModel:
     expected_output_tokens: float = 600.0
     decode_step_base_s: float = 4e-3
 
-    def cost(self, candidate: Candidate) -> float:
+    def cost(
+        self, candidate: Candidate, duplicate_tokens: int = 0, projected_waiting: float = 0.0
+    ) -> float:
         """Latency added to all requests by sending this one to ``candidate``'s replica.
 
         Prefill: the request waits for its own new tokens, and each of the ``load`` requests
@@ -178,6 +180,20 @@ class CostModel:
         that long times the share of the cache taken. On a memory-bound replica this is what a
         spill really costs: the copy evicts prefixes that other rollouts then prefill again
         (the memory table of bench/results/routing.md). Nothing is charged while all fit.
+
+        Projected memory (``duplicate_tokens``, ``projected_waiting``: :meth:`CostBased.choose`
+        sets them): the queue above is what is in flight *now*, so on the empty replicas of a
+        start-up burst it is zero and a group's prompt is copied onto a second replica for 19 ms
+        of prefill against 60 ms of one more decode neighbour, though the group's rollouts will
+        keep both copies alive until they end. ``projected_waiting`` is this replica's share
+        (its share of the fleet's KV capacity) of the contexts the fleet will carry (its
+        concurrency, learned) that its caches cannot hold at once; those requests wait for the
+        blocks of a copy another replica already holds (``duplicate_tokens``: this replica's
+        new prompt tokens beyond the fewest any candidate must prefill), for the same
+        ``hold_s``. That is the local term's price with the projected queue in place of the
+        current one, so the larger of the two is charged, never both (they price the same
+        wait). On a fleet whose caches hold every context in flight the excess is <= 0 and
+        nothing changes.
         """
         load = candidate.load if candidate.load > 0.0 else 0.0
         new_tokens = candidate.new_tokens if candidate.new_tokens > 0 else 0
@@ -187,28 +203,98 @@ class CostModel:
         capacity = candidate.kv_capacity_tokens
         if capacity > 0:  # inline, not a method: this runs per candidate on every request
             slots = capacity / (max(candidate.prompt_tokens, 0) + output)
-            waiting = load + 1.0 - slots
-            if waiting > 0.0:
-                # The batch runs ``slots`` sequences (fewer than load + 1, or none would wait).
+            # Blocks held x requests waiting for them, now and as projected for the fleet.
+            now = (load + 1.0 - slots) * (new_tokens + output)
+            projected = projected_waiting * duplicate_tokens
+            blocked = max(now, projected)
+            if blocked > 0.0:
+                # The batch runs at most ``slots`` sequences while requests wait for blocks.
                 hold_s = output * (self.decode_step_base_s + self.decode_s_per_seq_step * slots)
-                cost += waiting * (new_tokens + output) / capacity * hold_s
+                cost += blocked / capacity * hold_s
         return cost
 
 
+# How fast the learned fleet concurrency forgets a peak: by a factor (1 - 1/N) per decision, so
+# a drop in concurrency is believed after ~0.7 N decisions. TRL keeps ``max_inflight_tasks``
+# rollouts in flight for a whole run, refilling after every completion; 1,024 decisions are two
+# of the recipe's 512-completion steps, long enough to span the dip of a sync and short
+# enough to follow a changed setting within a few steps.
+CONCURRENCY_MEMORY_DECISIONS = 1024
+
+# The concurrency assumed before any is seen: TRL's reference run keeps 128 rollout requests in
+# flight (trainer/recipe.py ``max_inflight_tasks``, "one step's completions"). Without a prior
+# the start-up burst is priced blind: its first groups arrive while few requests are in flight,
+# and are split over empty replicas before the policy has seen how many will follow. A lower
+# concurrency replaces it as it decays (CONCURRENCY_MEMORY_DECISIONS).
+COLD_START_CONCURRENCY = 128.0
+
+
 class CostBased(_RoundRobinTies):
-    """The replica where the request adds the least latency (:class:`CostModel`)."""
+    """The replica where the request adds the least latency (:class:`CostModel`).
+
+    It also learns the fleet's concurrency (the peak of requests in flight, decaying slowly:
+    :data:`CONCURRENCY_MEMORY_DECISIONS`), which with the scraped KV capacities says whether the
+    fleet's caches will hold every context in flight; where they will not, a placement that
+    copies a prefix another replica holds is priced for the memory it takes
+    (:meth:`CostModel.cost`)."""
 
     name = "cost"
     uses_prefix = True
 
-    def __init__(self, model: CostModel | None = None) -> None:
+    def __init__(
+        self, model: CostModel | None = None, concurrency: float = COLD_START_CONCURRENCY
+    ) -> None:
         super().__init__()
         self.model = model or CostModel()
+        self.concurrency = concurrency
+
+    def _projected_excess(self, candidates: Sequence[Candidate]) -> tuple[float, int]:
+        """(contexts the fleet will carry beyond what its caches hold, fleet capacity in
+        tokens); (0, 0) while any candidate's capacity is unknown."""
+        in_flight = 1.0 + sum(c.load for c in candidates if c.load > 0.0)
+        decayed = self.concurrency * (1.0 - 1.0 / CONCURRENCY_MEMORY_DECISIONS)
+        self.concurrency = max(in_flight, decayed)
+        fleet_capacity = 0
+        for c in candidates:
+            if c.kv_capacity_tokens <= 0:
+                return 0.0, 0
+            fleet_capacity += c.kv_capacity_tokens
+        # Each context in flight is taken to be this one's size (prompt + expected output):
+        # the proxy does not see the others' growth, and a group's members share this shape.
+        context = max(candidates[0].prompt_tokens, 0) + self.model.expected_output_tokens
+        return self.concurrency - fleet_capacity / context, fleet_capacity
+
+    def _holder_has_room(self, candidates: Sequence[Candidate]) -> bool:
+        """Whether a replica holding most of the prompt (fewest new tokens) can take the
+        request without queuing it for memory. Only then is a copy elsewhere avoidable: where
+        the holder's cache is already full, the request waits for blocks there too. On small
+        caches (tight x16: 8,192 tokens, 3.2 contexts of 2,578) this lets a group spread once
+        its holder is full instead of queuing 8 rollouts on one replica."""
+        fewest_new = min(max(c.new_tokens, 0) for c in candidates)
+        output = self.model.expected_output_tokens
+        for c in candidates:
+            if max(c.new_tokens, 0) == fewest_new:
+                slots = c.kv_capacity_tokens / (max(c.prompt_tokens, 0) + output)
+                if max(c.load, 0.0) + 1.0 <= slots:
+                    return True
+        return False
 
     def choose(self, candidates: Sequence[Candidate]) -> Decision:
         if not candidates:
             raise ValueError("no candidates")
-        costs = [self.model.cost(c) for c in candidates]
+        excess, fleet_capacity = self._projected_excess(candidates)
+        if excess > 0.0 and self._holder_has_room(candidates):
+            fewest_new = min(max(c.new_tokens, 0) for c in candidates)
+            costs = [
+                self.model.cost(
+                    c,
+                    duplicate_tokens=max(c.new_tokens, 0) - fewest_new,
+                    projected_waiting=excess * c.kv_capacity_tokens / fleet_capacity,
+                )
+                for c in candidates
+            ]
+        else:
+            costs = [self.model.cost(c) for c in candidates]
         low = min(costs)
         # Costs are sums of products of small integers and constants: equal inputs give
         # bit-identical floats, so exact comparison finds the real ties.

@@ -72,3 +72,20 @@ def test_memory_summary_is_fleet_wide_and_per_second() -> None:
     assert m["evictions_per_request"] == 1.0
     assert m["recompute_share"] == 0.25
     assert memory_summary([], 10.0) == {}
+
+
+def test_idle_attribution_separates_placement_from_the_tail() -> None:
+    from bench.routing_memory import idle_attribution
+
+    # Two replicas over 10 s. 0-4 s: two requests on replica 0, replica 1 idle: movable.
+    # 4-6 s: one request on each: nobody idle. 6-10 s: one request left, on replica 1, and
+    # replica 0 idle with nothing to move: tail.
+    intervals = [(0, 0.0, 4.0), (0, 0.0, 6.0), (1, 4.0, 10.0)]
+    idle = idle_attribution(intervals, 2)
+    assert math.isclose(idle["movable"], 4 / 20)
+    assert math.isclose(idle["tail"], 4 / 20)
+    # The same requests spread from the start: no movable idle, the same tail.
+    spread = idle_attribution([(1, 0.0, 4.0), (0, 0.0, 6.0), (1, 4.0, 10.0)], 2)
+    assert spread["movable"] == 0.0
+    assert math.isclose(spread["tail"], 4 / 20)
+    assert math.isnan(idle_attribution([], 2)["tail"])

@@ -7,6 +7,8 @@ import dataclasses
 import pytest
 
 from proxy.core.policy import (
+    COLD_START_CONCURRENCY,
+    CONCURRENCY_MEMORY_DECISIONS,
     POLICIES,
     Candidate,
     CostBased,
@@ -209,3 +211,87 @@ def test_an_h100s_cache_never_charges_memory_for_the_benchmarks_roomy_workloads(
     for load in range(254):
         roomy = Candidate(0, load, 0, 8192, 8192, 140_000 * 16)
         assert model.cost(roomy) == model.cost(dataclasses.replace(roomy, kv_capacity_tokens=0))
+
+
+def _learn_concurrency(policy: CostBased, in_flight: int) -> None:
+    """One decision with ``in_flight`` requests already spread over two unknown-capacity
+    replicas: the policy learns the fleet's concurrency from it."""
+    half = in_flight / 2
+    policy.choose([Candidate(0, half, 0, 100), Candidate(1, half, 0, 100)])
+
+
+# Tight x4 (bench/results/routing.md): 24,400-token caches, a group's 1,978-token prompt
+# (400 of them the common template) and 64 rollouts in flight. (replica, load, matched blocks,
+# new tokens, prompt tokens, capacity) of the second member of a group on a fleet that is
+# otherwise empty: replica 0 holds the group's prompt (one request running), replica 1 nothing.
+HOLDER = (0, 1, 98, 14, 1978, 24_400)
+EMPTY = (1, 0, 0, 1578, 1978, 24_400)
+
+
+def test_a_burst_group_stays_whole_when_the_fleet_will_not_hold_its_contexts() -> None:
+    """Compute alone splits the group: a second decode neighbour costs 60 ms, a 1,578-token
+    prefill on the idle replica 16 ms. Once the policy has seen 64 requests in flight, the fleet
+    (4 x 24,400 tokens) holds 37.9 of their 2,578-token contexts: 26.1 wait for blocks, 6.5 of
+    them on each replica, and the copy keeps 1,564 tokens from them for 600 decode steps."""
+    idle = [Candidate(r, 0, 0, 1578, 1978, 24_400) for r in (2, 3)]
+    fleet = [Candidate(*HOLDER), Candidate(*EMPTY), *idle]
+    # Without a concurrency (learned or assumed) only the current queue counts: the copy is free.
+    assert CostBased(concurrency=0.0).choose(fleet).outcome == "spilled"
+    # The cold-start assumption (TRL's reference 128 in flight) already keeps it whole.
+    assert CostBased().choose(fleet).outcome == "affinity"
+    policy = CostBased(concurrency=0.0)
+    _learn_concurrency(policy, 63)
+    excess, capacity = policy._projected_excess(fleet)
+    assert capacity == 4 * 24_400
+    learned = 64 * (1 - 1 / CONCURRENCY_MEMORY_DECISIONS)  # one decision's decay since
+    assert excess == pytest.approx(learned - capacity / 2578)
+    decision = policy.choose(fleet)
+    assert (decision.replica, decision.outcome) == (0, "affinity")
+    # The price of the copy: the projected queue on replica 1 times the copy's share of its
+    # cache, for as long as a request holds its blocks.
+    model = CostModel()
+    waiting = excess / 4
+    slots = 24_400 / 2578
+    copy = model.cost(Candidate(*EMPTY), 1564, waiting) - model.cost(Candidate(*EMPTY))
+    assert copy == pytest.approx(waiting * 1564 / 24_400 * _hold_s(slots))
+
+
+def test_roomy_caches_or_unknown_capacity_leave_the_burst_decision_to_compute() -> None:
+    """The same group on H100-sized caches (2.24M tokens each: the fleet holds every context)
+    or before the capacities are scraped: balance wins, as without the projected term."""
+    for capacity in (2_240_000, 0):
+        policy = CostBased()  # the cold-start 128 in flight, then 64 learned
+        _learn_concurrency(policy, 63)
+        fleet = [
+            Candidate(*HOLDER[:5], capacity),  # type: ignore[misc]
+            Candidate(*EMPTY[:5], capacity),  # type: ignore[misc]
+        ]
+        assert policy.choose(fleet).replica == 1
+
+
+def test_a_group_spreads_once_its_holder_is_full() -> None:
+    """Tight x16: 8,192-token caches hold 3.2 contexts of 2,578 tokens, so a group of 8 cannot
+    stay on one replica without queuing for memory there; once the holder has 3 requests the
+    copy is no longer avoidable and balance decides, as without the projected term."""
+    small = 8_192
+    holder = (0, 2, 98, 14, 1978, small)
+    assert (
+        CostBased().choose([Candidate(*holder), Candidate(1, 0, 0, 1578, 1978, small)]).replica == 0
+    )
+    full = (0, 3, 98, 14, 1978, small)
+    decision = CostBased().choose([Candidate(*full), Candidate(1, 0, 0, 1578, 1978, small)])
+    assert (decision.replica, decision.outcome) == (1, "spilled")
+
+
+def test_the_learned_concurrency_follows_a_drop_within_the_memory_window() -> None:
+    assert CostBased().concurrency == COLD_START_CONCURRENCY
+    policy = CostBased(concurrency=0.0)
+    _learn_concurrency(policy, 63)
+    assert policy.concurrency == 64
+    for _ in range(CONCURRENCY_MEMORY_DECISIONS):
+        _learn_concurrency(policy, 7)
+    # (1 - 1/N)^N ~ 1/e of the peak, never below what is in flight now
+    assert 8 < policy.concurrency < 64 * 0.37
+    for _ in range(8 * CONCURRENCY_MEMORY_DECISIONS):
+        _learn_concurrency(policy, 7)
+    assert policy.concurrency == pytest.approx(8, abs=0.1)

@@ -1,0 +1,148 @@
+"""Pool routing runs of the same cells over seeds: ``python -m bench.pool_routing OUT DIR...``.
+
+Single runs of a memory-tight cell swing by several percent from seed to seed (tight x2/x4: the
+proxy 3-4%, the Rust routers 4-24%), more than the gaps they decide. This reads the
+``routing.json`` of each run folder (``bench.run_routing --seed N --out DIR``) and writes
+``OUT.md`` and ``OUT.json``: per cell and router the mean over seeds of throughput, p99 and busy
+imbalance, with each seed's throughput, and the proxy against the best other router by those
+means (the same targets as bench/results/routing.md).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.report import fmt, table
+
+# The routers the proxy is judged against (bench/results/routing.md, "Against the targets").
+OTHERS = ("vllm-router", "sglang-router", "proxy-ll", "proxy-rr")
+TARGET_P99_RATIO = 1.05
+
+
+def pool(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (workload, replicas, router) that succeeded in every run it appears in."""
+    cells: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    for run in runs:
+        for r in run["results"]:
+            if r["status"] == "ok":
+                cells.setdefault((r["workload"], r["replicas"], r["router"]), []).append(r)
+    rows = []
+    for (workload, replicas, router), results in sorted(cells.items()):
+        rows.append(
+            {
+                "workload": workload,
+                "replicas": replicas,
+                "router": router,
+                "seeds": len(results),
+                "throughput_tok_s": statistics.fmean(r["throughput_tok_s"] for r in results),
+                "throughput_each": [r["throughput_tok_s"] for r in results],
+                "p99_s": statistics.fmean(r["p99_s"] for r in results),
+                "imbalance_busy": statistics.fmean(r["imbalance_busy"] for r in results),
+            }
+        )
+    return rows
+
+
+def verdicts(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The proxy against the best other router of each cell, by the pooled means."""
+    out = []
+    for workload, replicas in sorted({(r["workload"], r["replicas"]) for r in rows}):
+        cell = {
+            r["router"]: r for r in rows if (r["workload"], r["replicas"]) == (workload, replicas)
+        }
+        ours = cell.get("proxy")
+        others = [cell[n] for n in OTHERS if n in cell]
+        if ours is None or not others:
+            continue
+        fastest = max(others, key=lambda r: r["throughput_tok_s"])
+        tail = min(others, key=lambda r: r["p99_s"])
+        out.append(
+            {
+                "workload": workload,
+                "replicas": replicas,
+                "best_other": fastest["router"],
+                "throughput_ratio": ours["throughput_tok_s"] / fastest["throughput_tok_s"],
+                "best_p99_other": tail["router"],
+                "p99_ratio": ours["p99_s"] / tail["p99_s"],
+                "imbalance_busy": ours["imbalance_busy"],
+            }
+        )
+    return out
+
+
+def render(rows: Sequence[dict[str, Any]], judged: Sequence[dict[str, Any]], sources: str) -> str:
+    head = [
+        "workload",
+        "replicas",
+        "router",
+        "seeds",
+        "tok/s (mean)",
+        "each seed",
+        "p99 (s)",
+        "busy imbalance",
+    ]
+    body = [
+        [
+            r["workload"],
+            str(r["replicas"]),
+            r["router"],
+            str(r["seeds"]),
+            fmt(r["throughput_tok_s"], 0),
+            " / ".join(fmt(x, 0) for x in r["throughput_each"]),
+            fmt(r["p99_s"], 2),
+            fmt(r["imbalance_busy"], 3),
+        ]
+        for r in rows
+    ]
+    vhead = [
+        "workload",
+        "replicas",
+        "best other (tok/s)",
+        "throughput ratio",
+        "best other (p99)",
+        "p99 ratio",
+        "proxy busy imbalance",
+        "verdict",
+    ]
+    vbody = []
+    for v in judged:
+        met = v["throughput_ratio"] >= 1.0 and v["p99_ratio"] <= TARGET_P99_RATIO
+        met = met and v["imbalance_busy"] <= 1.10
+        vbody.append(
+            [
+                v["workload"],
+                str(v["replicas"]),
+                v["best_other"],
+                fmt(v["throughput_ratio"], 3),
+                v["best_p99_other"],
+                fmt(v["p99_ratio"], 3),
+                fmt(v["imbalance_busy"], 3),
+                "all met" if met else "**missed**",
+            ]
+        )
+    return (
+        f"Pooled over seeds ({sources}): means per router, then `proxy` against the best of "
+        f"{', '.join(OTHERS)} by those means.\n\n" + table(head, body) + "\n" + table(vhead, vbody)
+    )
+
+
+def main(argv: Sequence[str]) -> None:
+    out, dirs = Path(argv[0]), [Path(d) for d in argv[1:]]
+    runs = [json.loads((d / "routing.json").read_text()) for d in dirs]
+    rows = pool(runs)
+    judged = verdicts(rows)
+    out.with_suffix(".json").write_text(
+        json.dumps(
+            {"runs": [r.get("command") for r in runs], "pooled": rows, "verdicts": judged}, indent=1
+        )
+    )
+    out.with_suffix(".md").write_text(render(rows, judged, ", ".join(d.name for d in dirs)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

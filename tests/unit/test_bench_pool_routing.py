@@ -1,0 +1,47 @@
+"""Pooling routing runs over seeds (bench/pool_routing.py)."""
+
+from __future__ import annotations
+
+import math
+
+from bench.pool_routing import pool, render, verdicts
+
+
+def _run(tok_s: dict[str, float], p99: float = 5.0) -> dict[str, object]:
+    return {
+        "results": [
+            {
+                "workload": "tight",
+                "replicas": 4,
+                "router": router,
+                "status": "ok",
+                "throughput_tok_s": value,
+                "p99_s": p99,
+                "imbalance_busy": 1.0,
+            }
+            for router, value in tok_s.items()
+        ]
+    }
+
+
+def test_cells_are_averaged_over_seeds_and_judged_by_the_means() -> None:
+    # sglang-router wins seed 0 by far and loses the other two: the pooled mean decides.
+    runs = [
+        _run({"proxy": 5000, "sglang-router": 5500, "vllm-router": 5100}),
+        _run({"proxy": 5200, "sglang-router": 4800, "vllm-router": 5100}),
+        _run({"proxy": 5100, "sglang-router": 4900, "vllm-router": 5100}),
+    ]
+    rows = pool(runs)
+    means = {r["router"]: r["throughput_tok_s"] for r in rows}
+    assert means == {"proxy": 5100, "sglang-router": 5066.666666666667, "vllm-router": 5100}
+    (verdict,) = verdicts(rows)
+    assert verdict["throughput_ratio"] == 1.0  # vllm-router's 5100, the best pooled
+    assert math.isclose(verdict["p99_ratio"], 1.0)
+    assert "all met" in render(rows, [verdict], "s0, s1, s2")
+
+
+def test_a_failed_run_is_left_out_of_its_cell() -> None:
+    failed = _run({"proxy": 1.0})
+    failed["results"][0]["status"] = "failed"  # type: ignore[index]
+    rows = pool([_run({"proxy": 5000}), failed])
+    assert [(r["router"], r["seeds"], r["throughput_tok_s"]) for r in rows] == [("proxy", 1, 5000)]
