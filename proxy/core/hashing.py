@@ -30,6 +30,8 @@ from typing import Any, Protocol
 import cbor2
 import xxhash
 
+from proxy.core.native import module_for
+
 HASH_MODES = ("fast", "exact")
 VLLM_HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 
@@ -101,15 +103,24 @@ MAX_CACHED_SEEDS = 1024
 
 
 class FastHasher:
-    """xxh3-64 chained block hashes for routing (the default)."""
+    """xxh3-64 chained block hashes for routing (the default).
+
+    ``use_native``: chain the blocks in C (proxy/core/_native.c, the same XXH3-64 from the vendored
+    xxhash.h; 32 blocks of a 512-token prompt measured in bench/results/micro_request.md) or with
+    the xxhash module (the reference, ``_chain``); None: the C extension when it is built.
+    Both give the same keys (tests/unit/test_native.py)."""
 
     mode = "fast"
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, use_native: bool | None = None) -> None:
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
         self.block_size = block_size
         self._seeds: dict[Namespace, int] = {}
+        module = module_for(use_native)
+        self._chain: Callable[[bytes, int, int], list[int]] = (
+            module.chain if module is not None else _chain
+        )
 
     def _seed(self, namespace: Namespace) -> int:
         seed = self._seeds.get(namespace)
@@ -121,16 +132,16 @@ class FastHasher:
 
     def hash_tokens(self, tokens: Sequence[int], namespace: Namespace) -> list[int]:
         data, width = _token_bytes(tokens)
-        return _chain(data, width * self.block_size, self._seed(namespace))
+        return self._chain(data, width * self.block_size, self._seed(namespace))
 
     def extend(self, parent: int, tokens: Sequence[int], namespace: Namespace) -> list[int] | None:
         # The chain's state *is* the previous key (it is the next block's seed).
         data, width = _token_bytes(tokens)
-        return _chain(data, width * self.block_size, parent)
+        return self._chain(data, width * self.block_size, parent)
 
     def hash_text(self, text: bytes, namespace: Namespace) -> list[int]:
         # 4 bytes per pseudo-token: see proxy/core/extract.py for why.
-        return _chain(text, 4 * self.block_size, self._seed(namespace) ^ 0x7E57)
+        return self._chain(text, 4 * self.block_size, self._seed(namespace) ^ 0x7E57)
 
 
 def _sha256_pickle(obj: Any) -> bytes:
@@ -249,11 +260,16 @@ class VllmHasher:
 
 
 def make_hasher(
-    mode: str, block_size: int, algo: str = "sha256", seed: str | None = None
+    mode: str,
+    block_size: int,
+    algo: str = "sha256",
+    seed: str | None = None,
+    use_native: bool | None = None,
 ) -> BlockHasher:
-    """Hasher by name (settings say ``fast`` or ``exact``)."""
+    """Hasher by name (settings say ``fast`` or ``exact``); ``use_native`` as FastHasher's
+    (the exact mode hashes token ids in Python: vLLM's algorithms, not XXH3 chains)."""
     if mode == "fast":
-        return FastHasher(block_size)
+        return FastHasher(block_size, use_native)
     if mode == "exact":
         return VllmHasher(block_size, algo, seed)
     raise ValueError(f"unknown hash mode {mode!r}; one of {HASH_MODES}")
