@@ -21,10 +21,21 @@ FROM ${PYTHON_IMAGE} AS build
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
+# A C compiler for the one C extension (proxy/core/_native.c, the per-request parse and hashing;
+# PROXY_NATIVE): the wheel is compiled here and the runtime stage only installs it, so no compiler
+# reaches the final image. python3-dev: Python's headers where the base is Debian's own Python
+# (scripts/image_test.sh's local base); the python:* images ship them already.
+# DL3008 (pin apt versions): bookworm's gcc is what the stage needs, pinned by the base image's
+# release; the packages never reach the runtime stage.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev python3-dev \
+    && rm -rf /var/lib/apt/lists/*
+
 WORKDIR /src
 # Only what the wheel needs: the package metadata and the proxy package. trainer/ is left out on
 # purpose: it is useless without torch, and the proxy package does not import it.
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY proxy ./proxy
 # With the [kv-events] extra (pyzmq, msgpack) for PROXY_KV_EVENTS, precise routing from vLLM's
 # KV-cache events, which fails at start-up without it. It adds ~5 MB installed (measured in the
@@ -44,7 +55,8 @@ ENV PIP_NO_CACHE_DIR=1 \
     PYTHONUNBUFFERED=1
 
 # Install from the build stage's wheels through a bind mount, so the wheels themselves never
-# land in a layer of this image. --no-index: nothing is fetched from a registry at this point,
+# land in a layer of this image. The import check fails the build if the C extension did not
+# compile in stage one (setup.py makes it optional so that a bare `pip install` never fails). --no-index: nothing is fetched from a registry at this point,
 # the dependency set is exactly what stage one resolved.
 # DL3013 (pin versions) does not apply: with --no-index the only candidates are the wheels stage
 # one built from this checkout, so the versions are already fixed by that stage.
@@ -54,6 +66,7 @@ ENV PIP_NO_CACHE_DIR=1 \
 # hadolint ignore=DL3013
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     pip install --no-index --find-links=/wheels 'rollout-proxy[kv-events]' \
+    && python -c "import proxy.core._native" \
     && groupadd --system --gid 10001 rollout-proxy \
     && useradd --system --uid 10001 --gid rollout-proxy --no-create-home \
        --shell /usr/sbin/nologin rollout-proxy

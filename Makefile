@@ -32,11 +32,14 @@ help:
 # 180 s (91 s with --no-compile); uv does not byte-compile either, imports do it as they go.
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# The C extension (proxy/core/_native.c) is compiled by that install: an edited .c, its vendored
+# header or setup.py re-run it, and --reinstall-package rebuilds the project itself (uv would
+# otherwise keep the cached build, and a stale .so would shadow the edited source).
+$(VENV)/.installed: pyproject.toml setup.py proxy/core/_native.c proxy/core/vendor/xxhash.h
 	@test -x $(PY) || $(PYTHON_BASE) -m venv $(VENV)
 	@echo "[setup] installing rollout-proxy[trainer,dev] into $(VENV)"
 	@$(PY) -m pip install --quiet --disable-pip-version-check uv
-	@$(VENV)/bin/uv pip install --quiet --python $(PY) \
+	@$(VENV)/bin/uv pip install --quiet --python $(PY) --reinstall-package rollout-proxy \
 	  $$($(PY) scripts/uv_pip_args.py $(PY)) -e '.[trainer,dev]'
 	@touch $@
 

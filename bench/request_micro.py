@@ -16,13 +16,14 @@ from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
 from bench.run_overhead import DISTINCT_PROMPTS, _fixed_completion, completion_request
-from proxy.app import _data_path, build_runtime
+from proxy.app import Runtime, _data_path, build_runtime
+from proxy.core import native
 from proxy.core import router as router_module
 from proxy.core.extract import extract_completion
 from proxy.core.fleet import Status
 from proxy.core.policy import Candidate
 from proxy.dataplane import RelayedBody, completion_token_ids
-from proxy.hotpath import parse_json, request_id
+from proxy.hotpath import DataPath, packed_key, parse_json, request_id
 from proxy.settings import Settings
 
 T = TypeVar("T")
@@ -74,15 +75,22 @@ def drive(coro: Coroutine[Any, Any, T]) -> T:
     raise RuntimeError("the coroutine suspended: something on the path did real I/O")
 
 
-def request_timings(timer: Callable[[str, Callable[[], object]], Any]) -> tuple[list[Any], str]:
-    """``timer(name, fn)`` for the whole request and each stage; returns the timings and the
-    file the core was loaded from (the pure-Python modules or a mypyc build)."""
-    settings = Settings(replicas=["http://127.0.0.1:9", "http://127.0.0.1:10"])
+def _runtime(native_mode: str) -> tuple[Runtime, DataPath]:
+    settings = Settings(replicas=["http://127.0.0.1:9", "http://127.0.0.1:10"], native=native_mode)
     rt = build_runtime(settings, None)
     for replica in rt.fleet.replicas:
         replica.status = Status.READY
     rt.data.relay = _InstantRelay()
-    data_path = _data_path(rt, ())
+    return rt, _data_path(rt, ())
+
+
+def request_timings(timer: Callable[[str, Callable[[], object]], Any]) -> tuple[list[Any], str]:
+    """``timer(name, fn)`` for the whole request and each stage; returns the timings and the
+    file the core was loaded from (the pure-Python modules or a mypyc build). The stages are
+    the pure-Python reference's (PROXY_NATIVE=off); with the C extension built, the whole
+    request is also timed through it, and its two calls alone."""
+    rt, data_path = _runtime("off")
+    native_rt = _runtime("on") if native.available() else None
     raws = [
         json.dumps(completion_request(False, seed), separators=(",", ":")).encode()
         for seed in range(DISTINCT_PROMPTS)
@@ -102,10 +110,13 @@ def request_timings(timer: Callable[[str, Callable[[], object]], Any]) -> tuple[
         turn[0] = (turn[0] + 1) % len(raws)
         return raws[turn[0]]
 
-    def whole() -> None:
-        answer = drive(data_path.respond("completions", scope, next_raw(), time.perf_counter()))
-        if answer.status_code != 200:
-            raise RuntimeError(f"the request failed: {answer.body!r}")
+    def whole_through(path: DataPath) -> Callable[[], None]:
+        def whole() -> None:
+            answer = drive(path.respond("completions", scope, next_raw(), time.perf_counter()))
+            if answer.status_code != 200:
+                raise RuntimeError(f"the request failed: {answer.body!r}")
+
+        return whole
 
     bodies = [parse_json(raw) for raw in raws]
     keys = [extract_completion(body, None) for body in bodies]
@@ -116,7 +127,26 @@ def request_timings(timer: Callable[[str, Callable[[], object]], Any]) -> tuple[
         turn[0] = (turn[0] + 1) % len(keys)
         return keys[turn[0]]
 
-    timings = [timer("DataPath.respond, whole request (no sockets)", whole)]
+    timings = [timer("DataPath.respond, whole request (no sockets)", whole_through(data_path))]
+    native_stages: list[tuple[str, Callable[[], object]]] = []
+    if native_rt is not None:
+        n_rt, n_path = native_rt
+        timings.append(timer("  the same through the C extension", whole_through(n_path)))
+        split = n_path.split_prompt
+        assert split is not None
+        n_keys = [packed_key(split, raw) for raw in raws]
+        ns = n_rt.router.namespace(keys[0])
+        native_stages = [
+            ("native: scan + pack + orjson of the rest", lambda: packed_key(split, next_raw())),
+            (
+                "native: hash 32 blocks",
+                lambda: n_rt.router.hasher.hash_tokens(n_keys[1].tokens or [], ns),
+            ),
+            (
+                "native: Router.route, whole (distinct64 keys)",
+                lambda: n_rt.router.route(n_keys[turn[0] % len(n_keys)] or keys[0], loads),
+            ),
+        ]
     key = keys[0]
     blocks = router.block_keys(key)
     matchable = (key.length - 1) // router.block_size
@@ -153,5 +183,5 @@ def request_timings(timer: Callable[[str, Callable[[], object]], Any]) -> tuple[
         ("metrics: 4 tallies", count),
         ("answer: RelayedBody", lambda: RelayedBody(_InstantReply(), 0, "id-1", None)),
     ]
-    timings += [timer(name, fn) for name, fn in stages]
+    timings += [timer(name, fn) for name, fn in stages + native_stages]
     return timings, str(router_module.__file__)

@@ -17,7 +17,8 @@ The machine is shared: every target is started first, then the runs are interlea
 runs every target once, in turn), and each figure is the median over the rounds.
 
 Targets: direct (wrk -> backend), rollout-proxy (the lean client, the default; aiohttp; httpx's
-own transport on request; ``proxy-rr``: round-robin policy, so that proxy minus proxy-rr is
+own transport on request; ``proxy-python``: PROXY_NATIVE=off, so that proxy-python minus proxy
+is what the C extension saves; ``proxy-rr``: round-robin policy, so that proxy minus proxy-rr is
 what routing costs), vllm-router, sglang-router, nginx as a pass-through proxy (the floor
 for any proxy process), and bare uvicorn pass-throughs with the lean client and with aiohttp (the
 floors for a Python one, bench/passthrough.py).
@@ -104,9 +105,17 @@ TARGETS: dict[str, Target] = {
         Target("direct", "wrk -> fake backend, no proxy", "direct"),
         Target(
             "proxy",
-            "rollout-proxy, defaults (PROXY_HOT_PATH=protocol, PROXY_UPSTREAM_TRANSPORT=lean)",
+            "rollout-proxy, defaults (PROXY_HOT_PATH=protocol, PROXY_UPSTREAM_TRANSPORT=lean, "
+            "PROXY_NATIVE=auto: the C extension proxy.core._native, built by make setup)",
             "proxy",
             {"PROXY_UPSTREAM_TRANSPORT": "lean"},
+        ),
+        Target(
+            "proxy-python",
+            "rollout-proxy, defaults but PROXY_NATIVE=off: the pure-Python reference of the "
+            "per-request parse and hashing; proxy minus proxy-python is the C extension's gain",
+            "proxy",
+            {"PROXY_UPSTREAM_TRANSPORT": "lean", "PROXY_NATIVE": "off"},
         ),
         Target(
             "proxy-rr",
@@ -178,9 +187,11 @@ TARGETS: dict[str, Target] = {
         ),
     )
 }
-# httpx's own transport costs ~10x the others (2,670 us/request last measured): on request only.
-# proxy-mypyc runs whenever its build exists (skipped, saying how to build it, otherwise).
-DEFAULT_TARGETS = [n for n in TARGETS if n != "proxy-httpx"]
+# On request only: httpx's own transport costs ~10x the others (2,670 us/request last measured),
+# and proxy-mypyc measured 7-9% worse than the interpreted proxy under load (overhead_profile.md):
+# it added a target's worth of noise and lock time to every run (it is skipped, saying how to
+# build it, when asked for without a build).
+DEFAULT_TARGETS = [n for n in TARGETS if n not in ("proxy-httpx", "proxy-mypyc")]
 
 
 @dataclass

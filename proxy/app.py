@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from proxy.control import ControlPlane, Reply
+from proxy.core import native
 from proxy.core.extract import Tokenizer
 from proxy.core.fleet import Fleet, Status
 from proxy.core.hashing import make_hasher
@@ -79,6 +80,8 @@ class Runtime:
     guard: Guard
     routing_error: str | None = None
     kv_events: KvEvents | None = None
+    # PROXY_NATIVE resolved: the C extension runs the per-request work (proxy/core/native.py)
+    native: bool = False
 
 
 def _load_tokenizer(path: str) -> Tokenizer:
@@ -112,7 +115,14 @@ def _agreed(values: dict[int, Any], what: str) -> tuple[Any, str | None]:
 
 
 def build_runtime(settings: Settings, transport: httpx.AsyncBaseTransport | None) -> Runtime:
+    use_native = native.resolve(settings.native)  # PROXY_NATIVE=on without the module: refused
+    log.info(
+        "per-request parse and hashing: %s (PROXY_NATIVE=%s)",
+        "C extension proxy.core._native" if use_native else "pure Python",
+        settings.native,
+    )
     metrics = Metrics()
+    metrics.native.labels("c" if use_native else "python").set(1)
     fleet = Fleet(settings.replicas, eject_after=settings.eject_after)
     upstream = Upstream(settings, transport)
     router = Router(
@@ -121,8 +131,9 @@ def build_runtime(settings: Settings, transport: httpx.AsyncBaseTransport | None
             settings.block_size or DEFAULT_BLOCK_SIZE,
             settings.vllm_hash_algo or "sha256",
             settings.vllm_hash_seed,
+            use_native,
         ),
-        PrefixIndex(settings.index_capacity, settings.max_replicas),
+        PrefixIndex(settings.index_capacity, settings.max_replicas, use_native),
         make_policy(settings.policy, settings.imbalance),
     )
     secrets = (settings.upstream_token.get_secret_value(),) if settings.upstream_token else ()
@@ -150,6 +161,7 @@ def build_runtime(settings: Settings, transport: httpx.AsyncBaseTransport | None
         Shutdown(settings.shutdown_grace_s),
         guard,
     )
+    rt.native = use_native
     rt_holder["rt"] = rt
     if settings.kv_events:
         rt.kv_events = _kv_events(rt)
@@ -182,7 +194,11 @@ def configure_routing(rt: Runtime) -> None:
         log.warning("PROXY_BLOCK_SIZE=%d but replicas use %d", s.block_size, size)
     if block_size != rt.router.block_size or (s.hash_mode == "exact" and not s.vllm_hash_algo):
         rt.router.hasher = make_hasher(
-            s.hash_mode, block_size, s.vllm_hash_algo or algo or "sha256", s.vllm_hash_seed
+            s.hash_mode,
+            block_size,
+            s.vllm_hash_algo or algo or "sha256",
+            s.vllm_hash_seed,
+            rt.native,
         )
     if rt.routing_error:
         log.error(rt.routing_error)
@@ -256,6 +272,7 @@ def _data_path(rt: Runtime, echo_secrets: tuple[str, ...]) -> DataPath:
         rt.tokenizer,
         rt.shutdown,
         lambda exc: redact(exc.to_body(), echo_secrets),
+        rt.native,
     )
 
 

@@ -190,6 +190,14 @@ class Metrics:
                 ]
             )
         )
+        # 1 on the implementation that runs the per-request parse and hashing (PROXY_NATIVE)
+        self.native = Gauge(
+            p + "native_info",
+            "Which implementation runs the per-request prompt parsing and block hashing: "
+            "implementation=c (the C extension) or python (the reference).",
+            ["implementation"],
+            registry=r,
+        )
         self.index_blocks = Gauge(
             p + "index_blocks", "Prefix blocks tracked by the index.", registry=r
         )

@@ -184,6 +184,15 @@ class Settings(BaseSettings):
         "bare relay measured ~60 us CPU per request this way vs ~220 us through ASGI, issue "
         "12). asgi: through the ASGI app like every other route (for debugging, or to compare).",
     )
+    native: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="The per-request work of a token-id completion (scan and pack the prompt "
+        "from the request bytes, chain its block hashes) in the C extension "
+        "proxy.core._native, or in the pure-Python reference. auto: the extension when it is "
+        "built (pip install / make setup compile it when a C compiler is present); on: refuse "
+        "to start without it; off: the reference. Same routing either way; measured side by "
+        "side in bench/results/overhead.md (proxy vs proxy-python).",
+    )
     shutdown_grace_s: float = Field(
         20,
         ge=0,

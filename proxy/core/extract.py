@@ -219,6 +219,16 @@ def extract_completion(body: Any, tokenizer: Tokenizer | None = None) -> Routing
     )
 
 
+def extract_packed_completion(body: Any, tokens: array[int]) -> RoutingKey:
+    """Routing key of a ``/v1/completions`` body whose token-id prompt was scanned and packed
+    from the request bytes already (proxy/core/_native.c's ``split_prompt``; ``body`` is the
+    rest of the request, its prompt replaced by 0). Exactly what ``extract_completion`` returns
+    and raises for the same body: the same checks of the other fields, in the same order."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    return RoutingKey(_model_of(body), tokens, None, _salt_of(body), _stream_of(body), 1)
+
+
 def _content_text(content: Any, index: int) -> str:
     if content is None:
         return ""

@@ -32,6 +32,7 @@ import cbor2
 import xxhash
 
 from proxy.core.exact_memo import DEFAULT_MEMO_BLOCKS, ExactMemo
+from proxy.core.native import module_for
 
 HASH_MODES = ("fast", "exact")
 VLLM_HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
@@ -104,15 +105,24 @@ MAX_CACHED_SEEDS = 1024
 
 
 class FastHasher:
-    """xxh3-64 chained block hashes for routing (the default)."""
+    """xxh3-64 chained block hashes for routing (the default).
+
+    ``use_native``: chain the blocks in C (proxy/core/_native.c, the same XXH3-64 from the vendored
+    xxhash.h; 32 blocks of a 512-token prompt measured in bench/results/micro_request.md) or with
+    the xxhash module (the reference, ``_chain``); None: the C extension when it is built.
+    Both give the same keys (tests/unit/test_native.py)."""
 
     mode = "fast"
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, use_native: bool | None = None) -> None:
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
         self.block_size = block_size
         self._seeds: dict[Namespace, int] = {}
+        module = module_for(use_native)
+        self.chain: Callable[[bytes, int, int], list[int]] = (
+            module.chain if module is not None else _chain
+        )
 
     def _seed(self, namespace: Namespace) -> int:
         seed = self._seeds.get(namespace)
@@ -124,16 +134,16 @@ class FastHasher:
 
     def hash_tokens(self, tokens: Sequence[int], namespace: Namespace) -> list[int]:
         data, width = _token_bytes(tokens)
-        return _chain(data, width * self.block_size, self._seed(namespace))
+        return self.chain(data, width * self.block_size, self._seed(namespace))
 
     def extend(self, parent: int, tokens: Sequence[int], namespace: Namespace) -> list[int] | None:
         # The chain's state *is* the previous key (it is the next block's seed).
         data, width = _token_bytes(tokens)
-        return _chain(data, width * self.block_size, parent)
+        return self.chain(data, width * self.block_size, parent)
 
     def hash_text(self, text: bytes, namespace: Namespace) -> list[int]:
         # 4 bytes per pseudo-token: see proxy/core/extract.py for why.
-        return _chain(text, 4 * self.block_size, self._seed(namespace) ^ 0x7E57)
+        return self.chain(text, 4 * self.block_size, self._seed(namespace) ^ 0x7E57)
 
 
 def _sha256_pickle(obj: Any) -> bytes:
@@ -193,6 +203,7 @@ class VllmHasher:
         algo: str = "sha256",
         seed: str | None = None,
         memo_blocks: int = DEFAULT_MEMO_BLOCKS,
+        use_native: bool | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError("block_size must be >= 1")
@@ -203,7 +214,9 @@ class VllmHasher:
         self.seed = seed
         self._fn = _VLLM_FUNCTIONS[algo]
         self._root = self._fn(seed if seed is not None else VLLM_DEFAULT_SEED)
-        self._text = FastHasher(block_size)
+        # Text prompts and the memo's prefix keys are XXH3 chains: FastHasher's, in C when
+        # ``use_native`` allows (PROXY_NATIVE), so both implementations give the same keys.
+        self._text = FastHasher(block_size, use_native)
         self.memo = ExactMemo(memo_blocks)
         # The full digest (and prefix-chain key) behind the last key of recently hashed
         # prompts, so that ``extend`` can continue a chain (an index key keeps only 64 of the
@@ -246,7 +259,7 @@ class VllmHasher:
         prefix-chain key (for ``extend``). Empty keys when no block is full."""
         # The fast mode's chain (seeded 0: the namespace is told apart by the memo's id).
         data, width = _token_bytes(tokens)
-        chain = _chain(data, width * self.block_size, parent[1] if parent else 0)
+        chain = self._text.chain(data, width * self.block_size, parent[1] if parent else 0)
         if not chain:
             return [], b"", 0
         memo = self.memo
@@ -325,11 +338,16 @@ class VllmHasher:
 
 
 def make_hasher(
-    mode: str, block_size: int, algo: str = "sha256", seed: str | None = None
+    mode: str,
+    block_size: int,
+    algo: str = "sha256",
+    seed: str | None = None,
+    use_native: bool | None = None,
 ) -> BlockHasher:
-    """Hasher by name (settings say ``fast`` or ``exact``)."""
+    """Hasher by name (settings say ``fast`` or ``exact``); ``use_native`` as FastHasher's
+    (the exact mode's vLLM digests are hashed in Python; only its XXH3 prefix chains use C)."""
     if mode == "fast":
-        return FastHasher(block_size)
+        return FastHasher(block_size, use_native)
     if mode == "exact":
-        return VllmHasher(block_size, algo, seed)
+        return VllmHasher(block_size, algo, seed, use_native=use_native)
     raise ValueError(f"unknown hash mode {mode!r}; one of {HASH_MODES}")

@@ -22,7 +22,9 @@ entries once warm; what it forgets first is what was touched least recently.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+
+from proxy.core.native import module_for
 
 HAS_CHILD = 1
 BRANCHING = 2
@@ -36,8 +38,21 @@ _HOLDERS_SHIFT = 19
 DEFAULT_MAX_REPLICAS = 32
 
 
+# The C extension packs values into 64 bits: 19 flag and fingerprint bits plus one per replica.
+MAX_NATIVE_REPLICAS = 64 - _HOLDERS_SHIFT
+
+
 class PrefixIndex:
-    def __init__(self, capacity: int, max_replicas: int = DEFAULT_MAX_REPLICAS) -> None:
+    """``use_native``: write a recorded chain's values in C (proxy/core/_native.c's
+    ``record_chain``, the same values as ``_updated`` and the links below; None: when the
+    extension is built); only up to MAX_NATIVE_REPLICAS replicas, beyond that always Python."""
+
+    def __init__(
+        self,
+        capacity: int,
+        max_replicas: int = DEFAULT_MAX_REPLICAS,
+        use_native: bool | None = None,
+    ) -> None:
         if capacity < 2:
             raise ValueError("index capacity must be >= 2 blocks")
         if max_replicas < 1:
@@ -49,6 +64,11 @@ class PrefixIndex:
         self._old: dict[int, int] = {}
         self._replica_mask = (1 << max_replicas) - 1
         self.evictions = 0
+        module = module_for(use_native)
+        self._record_chain: Callable[[dict[int, int], Sequence[int], Sequence[int], int], None]
+        self._record_chain = _record_chain
+        if module is not None and max_replicas <= MAX_NATIVE_REPLICAS:
+            self._record_chain = module.record_chain
 
     def __len__(self) -> int:
         return len(self._young) + len(self._old)
@@ -122,7 +142,6 @@ class PrefixIndex:
             return
         if known is None:
             known = self.lookup(keys)
-        k = len(known)
         young = self._young
         if len(young) + n > self._half:
             # Make room first, so every block below lands in one generation (known blocks
@@ -131,13 +150,7 @@ class PrefixIndex:
             self.evictions += len(self._old)
             self._old = young
             young = self._young = {}
-        young.update(zip(keys[:k], _updated(keys, known, holder), strict=True))
-        last = n - 1
-        if k < n:
-            linked = holder | HAS_CHILD
-            links = [linked | ((nk & _FP_MASK) << _FP_SHIFT) for nk in keys[k + 1 :]]
-            young.update(zip(keys[k:last], links, strict=True))
-            young[keys[last]] = holder | REQUEST_END
+        self._record_chain(young, keys, known, holder)
 
     def _record_each(self, keys: Sequence[int], holder: int) -> None:
         values = [self._get(key) or 0 for key in keys]
@@ -159,6 +172,21 @@ class PrefixIndex:
     def keys(self) -> Iterable[int]:
         yield from self._young
         yield from self._old
+
+
+def _record_chain(
+    young: dict[int, int], keys: Sequence[int], known: Sequence[int], holder: int
+) -> None:
+    """Write the chain ``keys`` into ``young``: the ``known`` leading blocks updated, the rest
+    fresh links, the last one a request's end (the reference of _native.c's record_chain)."""
+    k, n = len(known), len(keys)
+    young.update(zip(keys[:k], _updated(keys, known, holder), strict=True))
+    last = n - 1
+    if k < n:
+        linked = holder | HAS_CHILD
+        links = [linked | ((nk & _FP_MASK) << _FP_SHIFT) for nk in keys[k + 1 :]]
+        young.update(zip(keys[k:last], links, strict=True))
+        young[keys[last]] = holder | REQUEST_END
 
 
 def _updated(keys: Sequence[int], values: Sequence[int], holder: int) -> list[int]:

@@ -136,6 +136,7 @@ def test_overhead_smoke_with_our_proxy(tmp_path: Path) -> None:
     targets = [
         "direct",
         "proxy",
+        "proxy-python",
         "proxy-rr",
         "proxy-asgi",
         "nginx",

@@ -40,6 +40,7 @@ CONTRACT_METRICS: dict[str, str] = {
     "rollout_proxy_matched_blocks": "histogram",
     "rollout_proxy_index_blocks": "gauge",
     "rollout_proxy_index_evictions_total": "counter",
+    "rollout_proxy_native_info": "gauge",
     "rollout_proxy_broadcasts_total": "counter",
     "rollout_proxy_adapter_load_attempts_total": "counter",
     "rollout_proxy_adapter_mount_lag_retries_total": "counter",

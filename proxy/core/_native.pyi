@@ -1,0 +1,12 @@
+from array import array
+from collections.abc import Sequence
+
+from typing_extensions import Buffer
+
+XXHASH_VERSION: str
+
+def split_prompt(body: Buffer, /) -> tuple[array[int], bytes] | None: ...
+def chain(data: Buffer, step: int, seed: int, /) -> list[int]: ...
+def record_chain(
+    young: dict[int, int], keys: Sequence[int], known: Sequence[int], holder: int, /
+) -> None: ...

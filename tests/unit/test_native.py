@@ -1,0 +1,335 @@
+"""The C extension (proxy/core/_native.c) against its pure-Python reference.
+
+The reference is the specification: orjson + extract_completion for a completion body,
+FastHasher's ``_chain`` for block keys. On random and adversarial bodies the native path must
+give the same routing key (same tokens, same fields) or the same error, message included; on
+random bytes the same keys; and a router fed the same recorded workload through either path must
+make the same decisions. Skipped where the extension is not built (no C compiler at install
+time); ``make setup`` builds it, so CI runs these.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from array import array
+from typing import Any
+
+import orjson
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from proxy.core import native
+from proxy.core.extract import RoutingKey, extract_completion
+from proxy.core.hashing import FastHasher, Namespace, _chain, make_hasher
+from proxy.core.policy import make_policy
+from proxy.core.prefix_index import MAX_NATIVE_REPLICAS, PrefixIndex
+from proxy.core.router import Router
+from proxy.errors import ProxyError
+from proxy.hotpath import packed_key, parse_json
+
+_native = pytest.importorskip("proxy.core._native", reason="the C extension is not built")
+
+IMPLEMENTATIONS = [pytest.param(False, id="python"), pytest.param(True, id="native")]
+
+
+def reference(raw: bytes) -> RoutingKey | str:
+    """What the pure-Python path makes of a completions body: its key, or its error."""
+    try:
+        return extract_completion(parse_json(raw))
+    except ProxyError as exc:
+        return f"{type(exc).__name__}: {exc.message}"
+
+
+def through_native(raw: bytes) -> RoutingKey | str:
+    """What the native path makes of it (falling back to the reference, as DataPath does)."""
+    try:
+        key = packed_key(_native.split_prompt, raw)
+    except ProxyError as exc:
+        return f"{type(exc).__name__}: {exc.message}"
+    return reference(raw) if key is None else key
+
+
+def comparable(result: RoutingKey | str) -> Any:
+    if isinstance(result, str):
+        return result
+    tokens = None if result.tokens is None else list(result.tokens)
+    return (result.model, tokens, result.text, result.cache_salt, result.stream, result.num_prompts)
+
+
+# -- bodies -------------------------------------------------------------------------------------
+
+token = st.integers(min_value=0, max_value=2**32 - 1)
+edgy_int = st.sampled_from([0, 1, 2**32 - 1, 2**32, 2**63, 2**64, -1, -(2**31)])
+prompt_values = st.one_of(
+    st.lists(token, min_size=1, max_size=64),
+    st.lists(st.one_of(token, edgy_int), min_size=0, max_size=8),
+    st.lists(st.one_of(token, st.booleans(), st.floats(allow_nan=False), st.none()), max_size=6),
+    st.lists(st.lists(token, max_size=4), max_size=3),
+    st.text(max_size=8),
+    st.lists(st.text(max_size=4), max_size=3),
+    st.none(),
+    st.integers(),
+    st.dictionaries(st.text(max_size=3), token, max_size=2),
+)
+scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text())
+json_values = st.recursive(
+    scalars, lambda kids: st.lists(kids, max_size=3) | st.dictionaries(st.text(), kids, max_size=3)
+)
+other_keys = st.sampled_from(["max_tokens", "n", "seed", "prompt ", "Prompt", "prompts", "x"])
+
+
+@st.composite
+def bodies(draw: st.DrawFn) -> bytes:
+    fields: list[tuple[str, Any]] = []
+    if draw(st.booleans()):
+        fields.append(("model", draw(st.one_of(st.text(max_size=6), scalars))))
+    if draw(st.booleans()):
+        fields.append(("cache_salt", draw(st.one_of(st.text(max_size=6), scalars))))
+    if draw(st.booleans()):
+        fields.append(("stream", draw(scalars)))
+    for _ in range(draw(st.integers(0, 3))):
+        fields.append((draw(other_keys), draw(json_values)))
+    if draw(st.integers(0, 9)):
+        fields.insert(draw(st.integers(0, len(fields))), ("prompt", draw(prompt_values)))
+    if draw(st.integers(0, 19)) == 0:  # a duplicate key: JSON parsers keep the last
+        fields.append(("prompt", draw(prompt_values)))
+    sep = draw(st.sampled_from(["", " ", "\n  ", "\t", " \r\n"]))
+    parts = [
+        f"{json.dumps(k)}{sep}:{sep}{json.dumps(v, indent=None, separators=(',' + sep, ':'))}"
+        for k, v in fields
+    ]
+    return f"{sep}{{{sep}{(',' + sep).join(parts)}{sep}}}{sep}".encode()
+
+
+@st.composite
+def damaged_bodies(draw: st.DrawFn) -> bytes:
+    """A body with bytes cut, inserted or flipped: most are invalid JSON, some turn valid."""
+    raw = bytearray(draw(bodies()))
+    for _ in range(draw(st.integers(1, 3))):
+        if not raw:
+            break
+        at = draw(st.integers(0, len(raw) - 1))
+        edit = draw(st.integers(0, 2))
+        if edit == 0:
+            del raw[at : at + draw(st.integers(1, 4))]
+        elif edit == 1:
+            raw[at:at] = draw(st.sampled_from([bytes([c]) for c in b'[]{}",-0\\']))
+        else:
+            raw[at] = draw(st.integers(0, 255))
+    return bytes(raw)
+
+
+SETTINGS = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@SETTINGS
+@given(bodies())
+def test_native_path_gives_the_references_key_or_error(raw: bytes) -> None:
+    assert comparable(through_native(raw)) == comparable(reference(raw))
+
+
+@SETTINGS
+@given(damaged_bodies())
+def test_damaged_bodies_are_accepted_and_rejected_alike(raw: bytes) -> None:
+    assert comparable(through_native(raw)) == comparable(reference(raw))
+
+
+@SETTINGS
+@given(st.lists(token, min_size=1, max_size=600), st.sampled_from(["", " ", "\n"]))
+def test_a_scanned_prompt_is_the_references_packed_array(ids: list[int], ws: str) -> None:
+    raw = ('{"model":"m","prompt":[' + f",{ws}".join(map(str, ids)) + f"{ws}]}}").encode()
+    parts = _native.split_prompt(raw)
+    assert parts is not None
+    packed, rest = parts
+    assert packed.typecode == "I" and packed.tolist() == ids
+    assert orjson.loads(rest) == {"model": "m", "prompt": 0}
+
+
+MALFORMED = [
+    b"",
+    b"{",
+    b"[1,2]",
+    b'{"prompt":[1,2',
+    b'{"prompt":[1,2,]}',
+    b'{"prompt":[]}',
+    b'{"prompt":[01]}',
+    b'{"prompt":[1.0]}',
+    b'{"prompt":[1e3]}',
+    b'{"prompt":[-1]}',
+    b'{"prompt":[4294967296]}',
+    b'{"prompt":[99999999999999999999999]}',
+    b'{"prompt":[true]}',
+    b'{"prompt":[[1]]}',
+    b'{"prompt":"text"}',
+    b'{"prompt":[1],"prompt":[2]}',
+    b'{"pr\\u006fmpt":[1]}',
+    b'{"prompt":[1]} x',
+    b'{"prompt":[1]}}',
+    b'{"prompt" [1]}',
+    b'{"a":"\\"}',
+    b'{"prompt":[1,\x002]}',
+    b'{"a":1 "prompt":[1]}',
+]
+
+
+@pytest.mark.parametrize("raw", MALFORMED)
+def test_anything_but_one_flat_id_array_falls_back(raw: bytes) -> None:
+    assert _native.split_prompt(raw) is None
+    assert comparable(through_native(raw)) == comparable(reference(raw))
+
+
+def test_the_scanner_skips_nested_values_and_strings_that_look_like_prompts() -> None:
+    raw = b'{"x":{"prompt":[9]},"y":["\\"prompt\\":[8]",{"a":[]}],"prompt":[7, 6],"z":-1.5e3}'
+    parts = _native.split_prompt(raw)
+    assert parts is not None
+    assert parts[0].tolist() == [7, 6]
+    assert orjson.loads(parts[1])["prompt"] == 0
+
+
+def test_split_prompt_accepts_any_buffer_and_refuses_other_types() -> None:
+    assert _native.split_prompt(memoryview(b'{"prompt":[3]}')) is not None
+    with pytest.raises(TypeError):
+        _native.split_prompt("{}")  # type: ignore[arg-type]
+
+
+# -- hashing ------------------------------------------------------------------------------------
+
+
+@SETTINGS
+@given(st.binary(max_size=700), st.integers(1, 80), st.integers(0, 2**64 - 1))
+def test_chain_is_the_references_chain(data: bytes, step: int, seed: int) -> None:
+    assert _native.chain(data, step, seed) == _chain(data, step, seed)
+
+
+def test_chain_refuses_bad_arguments() -> None:
+    with pytest.raises(ValueError):
+        _native.chain(b"abc", 0, 1)
+    with pytest.raises(OverflowError):
+        _native.chain(b"abc", 1, 2**64)
+    with pytest.raises(OverflowError):
+        _native.chain(b"abc", 1, -1)
+
+
+@pytest.mark.parametrize("use_native", IMPLEMENTATIONS)
+def test_fast_hasher_keys_are_the_same_either_way(use_native: bool) -> None:
+    rng = random.Random(7)
+    ids = [rng.randrange(2**32) for _ in range(530)]
+    ns = Namespace("adapter-a", "/p", "salt", 3)
+    hasher, ref = FastHasher(16, use_native), FastHasher(16, False)
+    assert hasher.hash_tokens(array("I", ids), ns) == ref.hash_tokens(ids, ns)
+    assert hasher.hash_tokens([*ids[:40], 2**40], ns) == ref.hash_tokens([*ids[:40], 2**40], ns)
+    parent = ref.hash_tokens(ids, ns)[-1]
+    assert hasher.extend(parent, ids[:100], ns) == ref.extend(parent, ids[:100], ns)
+    text = "ünïcode text ".encode() * 30
+    assert hasher.hash_text(text, ns) == ref.hash_text(text, ns)
+
+
+def test_native_mode_resolution() -> None:
+    assert native.resolve("off") is False
+    assert native.resolve("auto") is True and native.resolve("on") is True
+    with pytest.raises(ValueError):
+        native.resolve("yes")
+    assert make_hasher("fast", 16, use_native=False).chain is _chain  # type: ignore[attr-defined]
+    # the exact mode's prefix chains (text prompts, the memo's keys) follow the same choice
+    exact = make_hasher("exact", 16, use_native=False)
+    assert exact._text.chain is _chain  # type: ignore[attr-defined]
+    if native.MODULE is not None:
+        assert make_hasher("exact", 16, use_native=True)._text.chain is native.MODULE.chain  # type: ignore[attr-defined]
+
+
+def test_on_without_the_extension_refuses_to_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(native, "MODULE", None)
+    assert native.resolve("auto") is False
+    with pytest.raises(RuntimeError, match="PROXY_NATIVE=on"):
+        native.resolve("on")
+    with pytest.raises(RuntimeError):
+        FastHasher(16, True)
+
+
+# -- the prefix index -----------------------------------------------------------------------------
+
+
+def index_state(index: PrefixIndex) -> Any:
+    return list(index._young.items()), list(index._old.items()), index.evictions
+
+
+chains = st.lists(
+    st.tuples(
+        st.lists(st.integers(0, 40), min_size=0, max_size=12),  # a chain over a small key space
+        st.integers(0, 44),  # the replica
+        st.booleans(),  # pass what lookup found (the router's way) or let record look it up
+    ),
+    max_size=30,
+)
+
+
+@SETTINGS
+@given(chains, st.sampled_from([(64, 32), (10, 8), (1000, 45)]))
+def test_recording_chains_writes_the_references_values(
+    ops: list[tuple[list[int], int, bool]], shape: tuple[int, int]
+) -> None:
+    capacity, replicas = shape
+    ours, ref = PrefixIndex(capacity, replicas, True), PrefixIndex(capacity, replicas, False)
+    assert ours._record_chain is _native.record_chain
+    for raw_keys, replica, looked_up in ops:
+        keys = [k * 0x9E3779B97F4A7C15 % 2**64 for k in raw_keys]  # spread over 64 bits
+        for index in (ours, ref):
+            index.record(keys, replica % replicas, index.lookup(keys) if looked_up else None)
+        assert index_state(ours) == index_state(ref)
+        assert ours.lookup(keys) == ref.lookup(keys)
+
+
+def test_more_replicas_than_64_bits_hold_stay_in_python() -> None:
+    wide = PrefixIndex(100, MAX_NATIVE_REPLICAS + 1, True)
+    assert wide._record_chain is not _native.record_chain
+    wide.record([1, 2, 3], MAX_NATIVE_REPLICAS)
+    assert wide.holders(wide.lookup([1])[0]) == 1 << MAX_NATIVE_REPLICAS
+
+
+# -- a recorded workload replayed through both paths ---------------------------------------------
+
+
+def recorded_workload(seed: int = 11, groups: int = 12) -> list[tuple[bytes, list[int]]]:
+    """TRL-shaped rollouts: groups of 8 sharing a system preamble and a prompt, each continued
+    for 3 turns (prompt + completion + tool output), as bodies with their completions."""
+    rng = random.Random(seed)
+    preamble = [rng.randrange(150_000) for _ in range(70)]
+    out: list[tuple[bytes, list[int]]] = []
+    for g in range(groups):
+        prompt = preamble + [rng.randrange(150_000) for _ in range(rng.randrange(20, 300))]
+        model = f"policy-v{g % 3}"
+        for _ in range(8):
+            context = list(prompt)
+            for _turn in range(3):
+                completion = [rng.randrange(150_000) for _ in range(rng.randrange(1, 60))]
+                body = {"model": model, "prompt": context, "max_tokens": 64, "n": 1, "seed": g}
+                out.append((orjson.dumps(body), completion))
+                context = context + completion + [rng.randrange(150_000) for _ in range(9)]
+    rng.shuffle(out)
+    return out
+
+
+@pytest.mark.parametrize("policy", ["cost", "prefix"])
+def test_routing_decisions_are_identical_on_a_recorded_workload(policy: str) -> None:
+    decisions: dict[bool, list[tuple[int, str, int, tuple[int, ...]]]] = {}
+    for use_native in (False, True):
+        index = PrefixIndex(4_000, use_native=use_native)
+        router = Router(FastHasher(16, use_native), index, make_policy(policy, 8))
+        load = [0, 0, 0]
+        seen = []
+        for i, (raw, completion) in enumerate(recorded_workload()):
+            key = packed_key(_native.split_prompt, raw) if use_native else None
+            key = key or extract_completion(parse_json(raw))
+            decision = router.route(key, [(r, load[r]) for r in range(3)])
+            load[decision.replica] += 1
+            if i % 4 == 3:
+                load = [max(0, n - 2) for n in load]
+            router.record_completion(key, decision, completion)
+            seen.append(
+                (decision.replica, decision.outcome, decision.matched_blocks, decision.blocks)
+            )
+        decisions[use_native] = seen
+    assert decisions[True] == decisions[False]
+    assert {d[1] for d in decisions[True]} >= {"affinity"}
