@@ -123,6 +123,9 @@ class FastHasher:
         self.chain: Callable[[bytes, int, int], list[int]] = (
             module.chain if module is not None else _chain
         )
+        self._extend_chain: Callable[..., list[int] | None] | None = (
+            module.extend_chain if module is not None else None
+        )
 
     def _seed(self, namespace: Namespace) -> int:
         seed = self._seeds.get(namespace)
@@ -139,6 +142,22 @@ class FastHasher:
     def extend(self, parent: int, tokens: Sequence[int], namespace: Namespace) -> list[int] | None:
         # The chain's state *is* the previous key (it is the next block's seed).
         data, width = _token_bytes(tokens)
+        return self.chain(data, width * self.block_size, parent)
+
+    def extend_tail(
+        self, parent: int, prompt: Sequence[int], start: int, completion: Sequence[int]
+    ) -> list[int]:
+        """``extend(parent, prompt[start:] + completion)``: the chain continued past a prompt's
+        last full block (``parent``) through its tail and a completion (Router.record_completion).
+        In C when the extension runs and the prompt is packed (proxy/core/_native.c's
+        ``extend_chain``: no concatenated list, no Python ints re-packed); it answers None, and
+        this reference decides, for an id beyond 32 bits or one that is not an int."""
+        extend_chain = self._extend_chain
+        if extend_chain is not None and isinstance(prompt, array) and prompt.typecode == "I":
+            keys = extend_chain(prompt, start, completion, self.block_size, parent)
+            if keys is not None:
+                return keys
+        data, width = _token_bytes(list(prompt[start:]) + list(completion))
         return self.chain(data, width * self.block_size, parent)
 
     def hash_text(self, text: bytes, namespace: Namespace) -> list[int]:
