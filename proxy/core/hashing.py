@@ -26,7 +26,7 @@ from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
 
 import cbor2
 import xxhash
@@ -69,11 +69,15 @@ class BlockHasher(Protocol):
         ...
 
 
-def _token_bytes(tokens: Sequence[int]) -> tuple[bytes, int]:
-    """Packed token ids and the width of one id in bytes (ids validated by extract.py arrive
-    packed already: one copy, no per-id work)."""
+# What a chain reads as bytes: text, or packed token ids read in place.
+Packed: TypeAlias = "bytes | array[int]"
+
+
+def _token_bytes(tokens: Sequence[int]) -> tuple[Packed, int]:
+    """Packed token ids (any buffer the chain reads as bytes) and the width of one id in bytes.
+    Ids validated by extract.py arrive packed already and are chained in place: no copy."""
     if isinstance(tokens, array):
-        return tokens.tobytes(), tokens.itemsize
+        return tokens, tokens.itemsize
     try:
         packed = array("I", tokens)
     except OverflowError:  # a vocabulary beyond 2**32 ids: never seen, but never wrong either
@@ -81,14 +85,14 @@ def _token_bytes(tokens: Sequence[int]) -> tuple[bytes, int]:
     return packed.tobytes(), packed.itemsize
 
 
-def _chain(data: bytes, step: int, seed: int) -> list[int]:
+def _chain(data: Packed, step: int, seed: int) -> list[int]:
     digest = xxhash.xxh3_64_intdigest
-    view = memoryview(data)
+    view = memoryview(data).cast("B")  # bytes, or an array's bytes in place
     h = seed
     # A comprehension rather than an append loop: this runs for every routed request.
     return [
         (h := digest(view[start : start + step], h))
-        for start in range(0, len(data) - step + 1, step)
+        for start in range(0, len(view) - step + 1, step)
     ]
 
 
@@ -120,7 +124,7 @@ class FastHasher:
         self.block_size = block_size
         self._seeds: dict[Namespace, int] = {}
         module = module_for(use_native)
-        self.chain: Callable[[bytes, int, int], list[int]] = (
+        self.chain: Callable[[Packed, int, int], list[int]] = (
             module.chain if module is not None else _chain
         )
         self._extend_chain: Callable[..., list[int] | None] | None = (
