@@ -136,15 +136,31 @@ def request_timings(timer: Callable[[str, Callable[[], object]], Any]) -> tuple[
         assert split is not None
         n_keys = [packed_key(split, raw) for raw in raws]
         ns = n_rt.router.namespace(keys[0])
+        n_router = n_rt.router
+        n_key = n_keys[0] or keys[0]
+        n_blocks = n_router.block_keys(n_key)
+        n_values = n_router.index.lookup(n_blocks)
+        n_decision = n_router.route(n_key, loads)
+        n_generated = completion_token_ids(ANSWER) or []
         native_stages = [
             ("native: scan + pack + orjson of the rest", lambda: packed_key(split, next_raw())),
             (
                 "native: hash 32 blocks",
-                lambda: n_rt.router.hasher.hash_tokens(n_keys[1].tokens or [], ns),
+                lambda: n_router.hasher.hash_tokens(n_keys[1].tokens or [], ns),
             ),
             (
                 "native: Router.route, whole (distinct64 keys)",
-                lambda: n_rt.router.route(n_keys[turn[0] % len(n_keys)] or keys[0], loads),
+                lambda: n_router.route(n_keys[turn[0] % len(n_keys)] or keys[0], loads),
+            ),
+            (
+                "native:   common-prefix walk",
+                lambda: n_router._reach(
+                    n_values[: (n_key.length - 1) // n_router.block_size], [0, 1]
+                ),
+            ),
+            (
+                "native: learn: record prompt + completion",
+                lambda: n_router.record_completion(n_key, n_decision, n_generated),
             ),
         ]
     key = keys[0]

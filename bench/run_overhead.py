@@ -113,7 +113,8 @@ TARGETS: dict[str, Target] = {
         Target(
             "proxy-python",
             "rollout-proxy, defaults but PROXY_NATIVE=off: the pure-Python reference of the "
-            "per-request parse and hashing; proxy minus proxy-python is the C extension's gain",
+            "per-request parse, hashing, index writes, common-prefix walk and learning; proxy "
+            "minus proxy-python is the C extension's gain",
             "proxy",
             {"PROXY_UPSTREAM_TRANSPORT": "lean", "PROXY_NATIVE": "off"},
         ),

@@ -46,11 +46,31 @@ RELAYED_HEADERS = ("content-type", "x-request-id", "cache-control")
 RETRIED_STATUSES = frozenset({500, 502, 503})
 
 
-def _relay_headers(reply: Reply, replica: int, request_id: str) -> dict[str, str]:
-    headers = {k: reply.headers[k] for k in RELAYED_HEADERS if k in reply.headers}
-    headers["x-proxy-replica"] = str(replica)
-    headers["x-request-id"] = request_id
-    return headers
+def _relay_headers(reply: Reply, replica: int, request_id: str) -> list[tuple[bytes, bytes]]:
+    """The answer's headers: RELAYED_HEADERS as the replica sent them, then ``x-proxy-replica``,
+    and ``x-request-id`` set to the request's (in the replica's place if it sent one, else
+    last). Built straight as the raw pairs the server writes (no dict, one pass)."""
+    got = reply.headers
+    rid = request_id.encode("latin-1")
+    raw = []
+    echoed = False
+    for name, name_bytes in _RELAYED:
+        value = got.get(name)
+        if value is not None:
+            if name_bytes == b"x-request-id":
+                echoed = True
+                raw.append((name_bytes, rid))
+            else:
+                raw.append((name_bytes, value.encode("latin-1")))
+    raw.append((b"x-proxy-replica", _REPLICA_LABELS[replica] if replica < 64 else b"%d" % replica))
+    if not echoed:
+        raw.append((b"x-request-id", rid))
+    return raw
+
+
+_RELAYED = tuple((name, name.encode("latin-1")) for name in RELAYED_HEADERS)
+# x-proxy-replica's value for the first 64 replica indices, encoded once.
+_REPLICA_LABELS = [b"%d" % i for i in range(64)]
 
 
 _TOKEN_IDS = b'"token_ids"'
@@ -129,88 +149,90 @@ class DataPlane:
             status_code=503,
         )
 
-    @staticmethod
-    def _track(replica: Replica, delta: int) -> None:
-        # The in-flight gauge is read from here when /metrics is scraped (app.py).
-        replica.in_flight += delta
-
     async def forward(
         self, route: str, path: str, raw: bytes, key: RoutingKey, request_id: str, started: float
     ) -> RelayedBody | RelayedStream:
+        # Every completion runs this, so it is written for the first attempt's sake: locals
+        # for what is read more than once, the in-flight count (read by /metrics, app.py)
+        # kept inline, nothing built for a retry that does not happen.
         problem = self.routing_error()
         if problem:
             raise UpstreamUnavailable(problem)
+        fleet = self.fleet
+        model = key.model
+        stream = key.stream
         tried: set[int] = set()
         headers = {"content-type": "application/json", "x-request-id": request_id}
-        lora_path = self.fleet.lora_path(key.model)
+        lora_path = fleet.lora_path(model)
         while True:
-            eligible = [r for r in self.fleet.eligible(key.model) if r.index not in tried]
+            eligible = fleet.eligible(model)
+            if tried:
+                eligible = [r for r in eligible if r.index not in tried]
             if not eligible:
-                raise self._no_replica(key.model, tried)
+                raise self._no_replica(model, tried)
             decision = self.router.route(
                 key, [(r.index, r.in_flight + r.queue_depth) for r in eligible], lora_path
             )
             self.metrics.count_decision(decision.outcome, decision.matched_blocks)
-            replica = self.fleet.replicas[decision.replica]
-            tried.add(replica.index)
-            label = str(replica.index)
-            self._track(replica, +1)
+            replica = fleet.replicas[decision.replica]
+            index = replica.index
+            tried.add(index)
+            replica.in_flight += 1
             sent_at = time.perf_counter()
-            routed = sent_at - started
             try:
-                reply = await self.relay.post(
-                    replica.index, replica.url, path, raw, headers, key.stream
-                )
-                if key.stream and reply.status != 200:
+                reply = await self.relay.post(index, replica.url, path, raw, headers, stream)
+                if stream and reply.status != 200:
                     # An error is a small JSON body, not a stream: read it, so that it can be
                     # retried or relayed like any other answer.
                     reply.body = b"".join([c async for c in reply.chunks()])
                     await reply.close()
             except ReplicaUnreachable as exc:
-                self._track(replica, -1)
+                replica.in_flight -= 1
                 self.eject(replica, exc.message)
                 continue
             except ReplicaBroken as exc:
-                self._track(replica, -1)
+                replica.in_flight -= 1
                 log.warning("request %s: %s; retrying elsewhere", request_id, exc.message)
                 continue
             except BaseException:
-                self._track(replica, -1)
+                replica.in_flight -= 1
                 raise
-            if lora_path is not None and _lost_adapter(reply, key.model):
+            status = reply.status
+            if lora_path is not None and _lost_adapter(reply, model):
                 await reply.close()
-                self._track(replica, -1)
-                replica.adapters.pop(key.model, None)
+                replica.in_flight -= 1
+                replica.adapters.pop(model, None)
                 if replica.status is Status.READY:
                     replica.status = Status.RECONCILING
                 replica.needs_reconcile = True
                 log.warning(
-                    "replica %d lost adapter %s; reconciling it, retrying elsewhere",
-                    replica.index,
-                    key.model,
+                    "replica %d lost adapter %s; reconciling it, retrying elsewhere", index, model
                 )
                 continue
-            if reply.status in RETRIED_STATUSES and any(
-                r.index not in tried for r in self.fleet.eligible(key.model)
+            if status in RETRIED_STATUSES and any(
+                r.index not in tried for r in fleet.eligible(model)
             ):
                 await reply.close()
-                self._track(replica, -1)
-                self.metrics.count_request(route, label, reply.status)
+                replica.in_flight -= 1
+                self.metrics.count_request(route, str(index), status)
                 log.warning(
                     "request %s: replica %d answered %d; retrying elsewhere",
                     request_id,
-                    replica.index,
-                    reply.status,
+                    index,
+                    status,
                 )
                 continue
-            if key.stream and reply.status == 200:
+            if stream and status == 200:
+                routed = sent_at - started
                 return RelayedStream(self, route, replica, reply, request_id, sent_at, routed)
             await reply.close()
             upstream_s = time.perf_counter() - sent_at
-            self._track(replica, -1)
-            self.metrics.observe_upstream(route, label, upstream_s)
-            self.metrics.count_request(route, label, reply.status)
-            if reply.status == 200 and key.tokens is not None and key.num_prompts == 1:
+            replica.in_flight -= 1
+            label = str(index)
+            metrics = self.metrics
+            metrics.observe_upstream(route, label, upstream_s)
+            metrics.count_request(route, label, status)
+            if status == 200 and key.tokens is not None and key.num_prompts == 1:
                 self._remember_completion(key, decision, reply.body, lora_path)
             if self.kv_events is not None:
                 self.kv_events.observe(decision, reply.body)
@@ -219,23 +241,23 @@ class DataPlane:
                     "request %s: %s -> replica %d, %d in %.1f ms (%s, %d blocks matched)",
                     request_id,
                     route,
-                    replica.index,
-                    reply.status,
+                    index,
+                    status,
                     upstream_s * 1e3,
                     decision.outcome,
                     decision.matched_blocks,
                     extra={
                         "request_id": request_id,
                         "route": route,
-                        "replica": replica.index,
-                        "status": reply.status,
+                        "replica": index,
+                        "status": status,
                         "outcome": decision.outcome,
                         "matched_blocks": decision.matched_blocks,
                         "upstream_ms": round(upstream_s * 1e3, 2),
                     },
                 )
-            result = RelayedBody(reply, replica.index, request_id, self.guard)
-            self.metrics.observe_proxy(route, time.perf_counter() - started - upstream_s)
+            result = RelayedBody(reply, index, request_id, self.guard)
+            metrics.observe_proxy(route, time.perf_counter() - started - upstream_s)
             return result
 
     def _remember_completion(
@@ -253,17 +275,10 @@ class DataPlane:
 
     def stream_finished(self, stream: RelayedStream) -> None:
         label = str(stream.replica.index)
-        self._track(stream.replica, -1)
+        stream.replica.in_flight -= 1
         self.metrics.observe_upstream(stream.route, label, time.perf_counter() - stream.sent_at)
         self.metrics.count_request(stream.route, label, stream.reply.status)
         self.metrics.observe_proxy(stream.route, stream.routed)
-
-
-def _raw_headers(reply: Reply, replica: int, request_id: str) -> list[tuple[bytes, bytes]]:
-    return [
-        (name.encode("latin-1"), value.encode("latin-1"))
-        for name, value in _relay_headers(reply, replica, request_id).items()
-    ]
 
 
 class RelayedBody(Response):
@@ -275,7 +290,7 @@ class RelayedBody(Response):
         # Deliberately not calling Response.__init__ (that is the cost being avoided).
         self.status_code = reply.status
         self.background = None
-        raw = _raw_headers(reply, replica, request_id)
+        raw = _relay_headers(reply, replica, request_id)
         body = reply.body
         if guard is not None:
             body = guard.mask_body(body)
@@ -318,7 +333,7 @@ class RelayedStream(Response):
         self.routed = routed
         self.status_code = reply.status
         self.background = None
-        self.raw_headers = _raw_headers(reply, replica.index, request_id)
+        self.raw_headers = _relay_headers(reply, replica.index, request_id)
         if plane.guard is not None:
             self.raw_headers = plane.guard.mask_headers(self.raw_headers)
         self.client_left = False

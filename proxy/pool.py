@@ -67,6 +67,9 @@ FRAMING_HEADERS = frozenset({b"content-length", b"transfer-encoding"})
 # A request body shorter than this leaves in the same write as the head (one syscall; a TRL
 # rollout body is ~3.5 KiB); a longer one is written on its own rather than copied into a join.
 JOIN_BELOW = 64 * 1024
+# Request lines (method, path, host, fixed headers) kept ready per replica origin: the data plane
+# posts to two paths, 16 leaves room for any other caller without letting one grow the cache.
+MAX_REQUEST_LINES = 16
 
 
 class _Lost(Exception):
@@ -76,7 +79,7 @@ class _Lost(Exception):
 class Origin:
     """One replica's address, its request-head prefix and its idle connections."""
 
-    __slots__ = ("host", "idle", "port", "prefix", "server_hostname", "ssl")
+    __slots__ = ("host", "idle", "lines", "port", "prefix", "server_hostname", "ssl")
 
     def __init__(self, base_url: str, ssl_context: ssl.SSLContext | None, fixed: bytes) -> None:
         parts = urlsplit(base_url)
@@ -90,6 +93,17 @@ class Origin:
         # Every request to this origin starts "POST <path> HTTP/1.1\r\nhost: ...\r\n<fixed>".
         self.prefix = b"\r\nhost: " + parts.netloc.encode("idna") + b"\r\n" + fixed
         self.idle: list[Connection] = []
+        self.lines: dict[str, bytes] = {}  # request_line's, by path
+
+    def request_line(self, path: str) -> bytes:
+        """``POST <path> HTTP/1.1``, the host and the fixed headers, built once per path (the
+        data plane posts to two; any other caller's paths are bounded by MAX_REQUEST_LINES)."""
+        line = self.lines.get(path)
+        if line is None:
+            if len(self.lines) >= MAX_REQUEST_LINES:
+                self.lines.clear()
+            line = self.lines[path] = b"POST " + path.encode("ascii") + b" HTTP/1.1" + self.prefix
+        return line
 
 
 class Connection(asyncio.Protocol):
@@ -170,16 +184,20 @@ class LeanReply:
         "parser",
         "pool",
         "received",
+        "replica",
+        "request_path",
         "status",
         "stream",
-        "what",
     )
 
-    def __init__(self, pool: LeanPool, conn: Connection, stream: bool, what: str) -> None:
+    def __init__(
+        self, pool: LeanPool, conn: Connection, stream: bool, replica: int, path: str
+    ) -> None:
         self.pool = pool
         self.conn = conn
         self.stream = stream
-        self.what = what
+        self.replica = replica  # for error messages (``what``), built only when one is
+        self.request_path = path
         self.parser = httptools.HttpResponseParser(self)
         self.status = 0
         self.headers: dict[str, str] = {}
@@ -195,6 +213,10 @@ class LeanReply:
         self._waiter: asyncio.Future[None] | None = None
         self.last_data = pool.loop.time()
         pool.watch(self)
+
+    @property
+    def what(self) -> str:
+        return _what(self.replica, self.request_path)
 
     # -- httptools callbacks ---------------------------------------------------------------------
 
@@ -396,37 +418,31 @@ class LeanPool:
         """Send ``POST path`` with ``content``; return once the status and headers arrived
         (``stream``) or the whole body did. The caller must ``close()`` the reply."""
         origin = self.origin(base_url)
-        what = f"replica {replica} POST {path}"
         head = b"".join(
             (
-                b"POST ",
-                path.encode("ascii"),
-                b" HTTP/1.1",
-                origin.prefix,
-                *(_header_line(k, v) for k, v in headers.items()),
-                b"content-length: ",
-                str(len(content)).encode(),
-                b"\r\n\r\n",
+                origin.request_line(path),
+                *[_header_line(k, v) for k, v in headers.items()],
+                b"content-length: %d\r\n\r\n" % len(content),
             )
         )
         conn = self._idle(origin)
         if conn is not None:
             try:
-                return await self._exchange(conn, head, content, stream, what)
+                return await self._exchange(conn, head, content, stream, replica, path)
             except _Lost:
                 pass  # the replica closed it as we reused it: once more, on a new connection
         conn = await self._connect(origin, replica, path)
         try:
-            return await self._exchange(conn, head, content, stream, what)
+            return await self._exchange(conn, head, content, stream, replica, path)
         except _Lost:
             raise ReplicaBroken(
-                f"{what}: the replica closed the connection before answering"
+                f"{_what(replica, path)}: the replica closed the connection before answering"
             ) from None
 
     async def _exchange(
-        self, conn: Connection, head: bytes, content: bytes, stream: bool, what: str
+        self, conn: Connection, head: bytes, content: bytes, stream: bool, replica: int, path: str
     ) -> LeanReply:
-        reply = LeanReply(self, conn, stream, what)
+        reply = LeanReply(self, conn, stream, replica, path)
         conn.reply = reply
         assert conn.transport is not None
         if len(content) < JOIN_BELOW:
@@ -504,6 +520,10 @@ class LeanPool:
         for origin in self.origins.values():
             while origin.idle:
                 origin.idle.pop().abort()
+
+
+def _what(replica: int, path: str) -> str:
+    return f"replica {replica} POST {path}"
 
 
 def _header_line(name: str, value: str) -> bytes:

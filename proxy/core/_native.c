@@ -1,8 +1,9 @@
 /*
  * proxy.core._native: the per-request work of a token-id completion, outside the interpreter.
  *
- * Three functions, each with a pure-Python reference that stays the specification
- * (proxy/core/extract.py + proxy/hotpath.py's parse, proxy/core/hashing.py's _chain) and that
+ * Five functions, each with a pure-Python reference that stays the specification
+ * (proxy/core/extract.py + proxy/hotpath.py's parse, proxy/core/hashing.py's _chain and
+ * FastHasher.extend, proxy/core/prefix_index.py's record and reach) and that
  * tests compare against on random and adversarial input (tests/unit/test_native.py):
  *
  *   split_prompt(body) -> (array('I') ids, rest) | None
@@ -21,6 +22,14 @@
  *
  *   record_chain(young, keys, known, holder)
  *       PrefixIndex.record's dict writes for one chain (prefix_index.py's _updated and links).
+ *
+ *   prefix_walk(values, count, replicas) -> ({replica: reach}, common) | None
+ *       The common-prefix walk over looked-up index values (reach.py's prefix_reach over
+ *       PrefixIndex.held and .branching), in one pass without the intermediate lists.
+ *
+ *   extend_chain(prompt, start, completion, block_size, parent) -> list[int] | None
+ *       A chain continued through a packed prompt's tail and a completion's ids
+ *       (FastHasher.extend over the concatenated ids), packed without a Python list.
  *
  * The body is untrusted: every read is bounds-checked against its length, nothing recurses
  * (nested values are skipped with a depth counter), and the scan is one forward pass.
@@ -232,6 +241,25 @@ done:
     return result;
 }
 
+/* The keys of `blocks` consecutive `step`-byte blocks of `data`, chained: each block's key is
+ * its XXH3-64 seeded with the previous key, the first seeded with `seed`. A new list. */
+static PyObject *chained_keys(const char *data, Py_ssize_t blocks, size_t step,
+                              unsigned long long seed) {
+    PyObject *keys = PyList_New(blocks);
+    if (keys == NULL) return NULL;
+    XXH64_hash_t h = (XXH64_hash_t)seed;
+    for (Py_ssize_t b = 0; b < blocks; b++) {
+        h = XXH3_64bits_withSeed(data + (size_t)b * step, step, h);
+        PyObject *key = PyLong_FromUnsignedLongLong(h);
+        if (key == NULL) {
+            Py_DECREF(keys);
+            return NULL;
+        }
+        PyList_SET_ITEM(keys, b, key);
+    }
+    return keys;
+}
+
 static PyObject *chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "chain(data, step, seed) takes 3 arguments");
@@ -247,21 +275,7 @@ static PyObject *chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     if (seed == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
     Py_buffer view;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) return NULL;
-    Py_ssize_t blocks = view.len / step;
-    PyObject *keys = PyList_New(blocks);
-    if (keys != NULL) {
-        const char *p = view.buf;
-        XXH64_hash_t h = (XXH64_hash_t)seed;
-        for (Py_ssize_t b = 0; b < blocks; b++) {
-            h = XXH3_64bits_withSeed(p + b * step, (size_t)step, h);
-            PyObject *key = PyLong_FromUnsignedLongLong(h);
-            if (key == NULL) {
-                Py_CLEAR(keys);
-                break;
-            }
-            PyList_SET_ITEM(keys, b, key);
-        }
-    }
+    PyObject *keys = chained_keys(view.buf, view.len / step, (size_t)step, seed);
     PyBuffer_Release(&view);
     return keys;
 }
@@ -340,6 +354,160 @@ done:
     return result;
 }
 
+/* The common-prefix walk of one looked-up chain (proxy/core/reach.py's prefix_reach over
+ * PrefixIndex.held and .branching, the reference): values are the packed index values of the
+ * chain's leading blocks (prefix_index.py's layout, holders from bit HOLDERS_SHIFT), `count`
+ * how many of them to read, `replicas` the eligible replica indices. Returns ({replica: reach},
+ * common) exactly as the reference does, dict order included, or None where the reference must
+ * decide: a replica index outside 0..63-HOLDERS_SHIFT, a value that does not fit 64 bits, or
+ * anything that is not an int (the reference then raises or computes with Python ints). */
+#define HOLDERS_SHIFT 19
+#define MAX_WALK_REPLICAS (64 - HOLDERS_SHIFT)
+
+static PyObject *prefix_walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "prefix_walk(values, count, replicas)");
+        return NULL;
+    }
+    Py_ssize_t count = PyLong_AsSsize_t(args[1]);
+    if (count == -1 && PyErr_Occurred()) return NULL;
+    PyObject *values = PySequence_Fast(args[0], "values must be a sequence");
+    if (values == NULL) return NULL;
+    PyObject *replicas = PySequence_Fast(args[2], "replicas must be a sequence");
+    if (replicas == NULL) {
+        Py_DECREF(values);
+        return NULL;
+    }
+    PyObject *result = NULL, *reach = NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(values);
+    if (count < n) n = count < 0 ? 0 : count;
+    Py_ssize_t r_count = PySequence_Fast_GET_SIZE(replicas);
+    PyObject **value_items = PySequence_Fast_ITEMS(values);
+    PyObject **replica_items = PySequence_Fast_ITEMS(replicas);
+    uint64_t eligible = 0;
+    long indices[64];
+    if (r_count > 64) goto fallback; /* more than the distinct indices that fit: reference */
+    for (Py_ssize_t i = 0; i < r_count; i++) {
+        if (!PyLong_CheckExact(replica_items[i])) goto fallback;
+        long r = PyLong_AsLong(replica_items[i]);
+        if (r == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            goto fallback;
+        }
+        if (r < 0 || r >= MAX_WALK_REPLICAS) goto fallback;
+        indices[i] = r;
+        eligible |= 1ull << r;
+    }
+    /* reach_of[r]: blocks held by r from block 0 on; n for those holding all of them */
+    Py_ssize_t reach_of[MAX_WALK_REPLICAS];
+    for (int r = 0; r < MAX_WALK_REPLICAS; r++) reach_of[r] = n;
+    Py_ssize_t deepest_full = -1, deepest_branch = -1;
+    uint64_t alive = eligible;
+    for (Py_ssize_t d = 0; d < n; d++) {
+        if (!PyLong_CheckExact(value_items[d])) goto fallback;
+        unsigned long long v = PyLong_AsUnsignedLongLong(value_items[d]);
+        if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            goto fallback;
+        }
+        uint64_t held = (v >> HOLDERS_SHIFT) & eligible;
+        if (held == eligible) deepest_full = d;
+        if ((v & (BRANCHING | REQUEST_END)) == BRANCHING) deepest_branch = d;
+        uint64_t dropped = alive & ~held;
+        while (dropped) {
+            int r = __builtin_ctzll(dropped);
+            reach_of[r] = d;
+            dropped &= dropped - 1;
+        }
+        alive &= held;
+    }
+    Py_ssize_t common = deepest_full > deepest_branch ? deepest_full + 1 : deepest_branch + 1;
+    reach = PyDict_New();
+    if (reach == NULL) goto done;
+    for (Py_ssize_t i = 0; i < r_count; i++) {
+        PyObject *depth = PyLong_FromSsize_t(reach_of[indices[i]]);
+        if (depth == NULL || PyDict_SetItem(reach, replica_items[i], depth) < 0) {
+            Py_XDECREF(depth);
+            goto done;
+        }
+        Py_DECREF(depth);
+    }
+    result = Py_BuildValue("(On)", reach, common);
+    goto done;
+fallback:
+    result = Py_NewRef(Py_None);
+done:
+    Py_XDECREF(reach);
+    Py_DECREF(values);
+    Py_DECREF(replicas);
+    return result;
+}
+
+/* A chain continued past a prompt's last full block (FastHasher.extend_tail, the reference:
+ * FastHasher.extend over list(prompt[start:]) + list(completion)): the ids prompt[start:]
+ * (prompt an array('I') or any buffer of native uint32) then the completion's ints, packed
+ * as uint32 and chained from `parent` in blocks of `block_size` ids. Returns the keys of the
+ * full blocks, or None where the reference must decide: a completion id that is not an int in
+ * 0..2**32-1 (the reference then packs 64-bit ids, or raises), or a prompt buffer whose length
+ * is not whole uint32s. */
+static PyObject *extend_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError,
+                        "extend_chain(prompt, start, completion, block_size, parent)");
+        return NULL;
+    }
+    Py_ssize_t start = PyLong_AsSsize_t(args[1]);
+    if (start == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t block_size = PyLong_AsSsize_t(args[3]);
+    if (block_size == -1 && PyErr_Occurred()) return NULL;
+    if (block_size < 1 || start < 0) {
+        PyErr_SetString(PyExc_ValueError, "block_size must be >= 1 and start >= 0");
+        return NULL;
+    }
+    unsigned long long parent = PyLong_AsUnsignedLongLong(args[4]);
+    if (parent == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    PyObject *completion = PySequence_Fast(args[2], "completion must be a sequence");
+    if (completion == NULL) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) {
+        Py_DECREF(completion);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    uint32_t *ids = NULL;
+    if (view.len % 4 != 0) goto fallback;
+    Py_ssize_t prompt_len = view.len / 4;
+    Py_ssize_t tail = start < prompt_len ? prompt_len - start : 0;
+    Py_ssize_t generated = PySequence_Fast_GET_SIZE(completion);
+    Py_ssize_t total = tail + generated;
+    ids = PyMem_Malloc((size_t)(total ? total : 1) * sizeof(uint32_t));
+    if (ids == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (tail) memcpy(ids, (const char *)view.buf + start * 4, (size_t)tail * 4);
+    PyObject **items = PySequence_Fast_ITEMS(completion);
+    for (Py_ssize_t i = 0; i < generated; i++) {
+        if (!PyLong_CheckExact(items[i])) goto fallback;
+        unsigned long long id = PyLong_AsUnsignedLongLong(items[i]);
+        if (id == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            goto fallback;
+        }
+        if (id > MAX_TOKEN_ID) goto fallback;
+        ids[tail + i] = (uint32_t)id;
+    }
+    result = chained_keys((const char *)ids, total / block_size, (size_t)block_size * 4, parent);
+    goto done;
+fallback:
+    result = Py_NewRef(Py_None);
+done:
+    PyMem_Free(ids);
+    PyBuffer_Release(&view);
+    Py_DECREF(completion);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"split_prompt", split_prompt, METH_O,
      "split_prompt(body) -> (array('I') ids, body with the prompt replaced by 0) or None"},
@@ -347,6 +515,10 @@ static PyMethodDef methods[] = {
      "chain(data, step, seed) -> chained XXH3-64 keys of data's full step-byte blocks"},
     {"record_chain", (PyCFunction)(void (*)(void))record_chain, METH_FASTCALL,
      "record_chain(young, keys, known, holder): PrefixIndex.record's writes for one chain"},
+    {"prefix_walk", (PyCFunction)(void (*)(void))prefix_walk, METH_FASTCALL,
+     "prefix_walk(values, count, replicas) -> ({replica: reach}, common) or None"},
+    {"extend_chain", (PyCFunction)(void (*)(void))extend_chain, METH_FASTCALL,
+     "extend_chain(prompt, start, completion, block_size, parent) -> keys or None"},
     {NULL, NULL, 0, NULL},
 };
 

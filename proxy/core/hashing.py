@@ -26,7 +26,7 @@ from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
 
 import cbor2
 import xxhash
@@ -69,11 +69,15 @@ class BlockHasher(Protocol):
         ...
 
 
-def _token_bytes(tokens: Sequence[int]) -> tuple[bytes, int]:
-    """Packed token ids and the width of one id in bytes (ids validated by extract.py arrive
-    packed already: one copy, no per-id work)."""
+# What a chain reads as bytes: text, or packed token ids read in place.
+Packed: TypeAlias = "bytes | array[int]"
+
+
+def _token_bytes(tokens: Sequence[int]) -> tuple[Packed, int]:
+    """Packed token ids (any buffer the chain reads as bytes) and the width of one id in bytes.
+    Ids validated by extract.py arrive packed already and are chained in place: no copy."""
     if isinstance(tokens, array):
-        return tokens.tobytes(), tokens.itemsize
+        return tokens, tokens.itemsize
     try:
         packed = array("I", tokens)
     except OverflowError:  # a vocabulary beyond 2**32 ids: never seen, but never wrong either
@@ -81,14 +85,14 @@ def _token_bytes(tokens: Sequence[int]) -> tuple[bytes, int]:
     return packed.tobytes(), packed.itemsize
 
 
-def _chain(data: bytes, step: int, seed: int) -> list[int]:
+def _chain(data: Packed, step: int, seed: int) -> list[int]:
     digest = xxhash.xxh3_64_intdigest
-    view = memoryview(data)
+    view = memoryview(data).cast("B")  # bytes, or an array's bytes in place
     h = seed
     # A comprehension rather than an append loop: this runs for every routed request.
     return [
         (h := digest(view[start : start + step], h))
-        for start in range(0, len(data) - step + 1, step)
+        for start in range(0, len(view) - step + 1, step)
     ]
 
 
@@ -120,8 +124,11 @@ class FastHasher:
         self.block_size = block_size
         self._seeds: dict[Namespace, int] = {}
         module = module_for(use_native)
-        self.chain: Callable[[bytes, int, int], list[int]] = (
+        self.chain: Callable[[Packed, int, int], list[int]] = (
             module.chain if module is not None else _chain
+        )
+        self._extend_chain: Callable[..., list[int] | None] | None = (
+            module.extend_chain if module is not None else None
         )
 
     def _seed(self, namespace: Namespace) -> int:
@@ -139,6 +146,22 @@ class FastHasher:
     def extend(self, parent: int, tokens: Sequence[int], namespace: Namespace) -> list[int] | None:
         # The chain's state *is* the previous key (it is the next block's seed).
         data, width = _token_bytes(tokens)
+        return self.chain(data, width * self.block_size, parent)
+
+    def extend_tail(
+        self, parent: int, prompt: Sequence[int], start: int, completion: Sequence[int]
+    ) -> list[int]:
+        """``extend(parent, prompt[start:] + completion)``: the chain continued past a prompt's
+        last full block (``parent``) through its tail and a completion (Router.record_completion).
+        In C when the extension runs and the prompt is packed (proxy/core/_native.c's
+        ``extend_chain``: no concatenated list, no Python ints re-packed); it answers None, and
+        this reference decides, for an id beyond 32 bits or one that is not an int."""
+        extend_chain = self._extend_chain
+        if extend_chain is not None and isinstance(prompt, array) and prompt.typecode == "I":
+            keys = extend_chain(prompt, start, completion, self.block_size, parent)
+            if keys is not None:
+                return keys
+        data, width = _token_bytes(list(prompt[start:]) + list(completion))
         return self.chain(data, width * self.block_size, parent)
 
     def hash_text(self, text: bytes, namespace: Namespace) -> list[int]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 
 from proxy.core.native import module_for
+from proxy.core.reach import mask_of, prefix_reach
 
 HAS_CHILD = 1
 BRANCHING = 2
@@ -37,6 +38,9 @@ _HOLDERS_SHIFT = 19
 # within two 30-bit int digits (32 bytes); raise it with PROXY_MAX_REPLICAS for bigger fleets.
 DEFAULT_MAX_REPLICAS = 32
 
+
+# (reach per replica, depth of the common preamble): reach.py's prefix_reach result.
+_Reach = tuple[dict[int, int], int]
 
 # The C extension packs values into 64 bits: 19 flag and fingerprint bits plus one per replica.
 MAX_NATIVE_REPLICAS = 64 - _HOLDERS_SHIFT
@@ -67,8 +71,10 @@ class PrefixIndex:
         module = module_for(use_native)
         self._record_chain: Callable[[dict[int, int], Sequence[int], Sequence[int], int], None]
         self._record_chain = _record_chain
+        self._walk: Callable[[Sequence[int], int, Sequence[int]], _Reach | None] | None = None
         if module is not None and max_replicas <= MAX_NATIVE_REPLICAS:
             self._record_chain = module.record_chain
+            self._walk = module.prefix_walk
 
     def __len__(self) -> int:
         return len(self._young) + len(self._old)
@@ -123,6 +129,20 @@ class PrefixIndex:
     def branching(values: Sequence[int]) -> list[bool]:
         """Per looked-up block: two different continuations seen, none ending a request there."""
         return [v & (BRANCHING | REQUEST_END) == BRANCHING for v in values]
+
+    def reach(self, values: Sequence[int], count: int, replicas: Sequence[int]) -> _Reach:
+        """reach.py's ``prefix_reach`` over the first ``count`` (>= 0) looked-up ``values``: (blocks
+        each of ``replicas`` holds from the first on, depth of the common preamble). In C when
+        the extension runs (proxy/core/_native.c's ``prefix_walk``: one pass, none of the
+        intermediate lists; it answers None, and this reference decides, for anything outside
+        64-bit values and replica indices below MAX_NATIVE_REPLICAS)."""
+        if self._walk is not None:
+            walked = self._walk(values, count, replicas)
+            if walked is not None:
+                return walked
+        values = values[:count]
+        eligible = mask_of(replicas)
+        return prefix_reach(self.held(values, eligible), self.branching(values), eligible, replicas)
 
     def record(self, keys: Sequence[int], replica: int, known: Sequence[int] | None = None) -> None:
         """Remember that ``replica`` was sent the prefix ``keys`` (a chain, block 0 first).

@@ -24,11 +24,11 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from proxy.core.extract import RoutingKey
-from proxy.core.hashing import BlockHasher, Namespace
+from proxy.core.hashing import BlockHasher, FastHasher, Namespace
 from proxy.core.kv_view import PreciseMatcher
 from proxy.core.policy import Candidate, Decision, Policy
 from proxy.core.prefix_index import PrefixIndex
-from proxy.core.reach import mask_of, prefix_reach, specific
+from proxy.core.reach import specific
 
 # Namespaces kept ready to reuse, by (model, adapter path, cache salt, epoch): a run names a few
 # adapters, but a client may send a fresh cache salt per request, so the cache is emptied when it
@@ -53,6 +53,9 @@ class Router:
         self.precise: PreciseMatcher | None = None
         # Each replica's KV cache in tokens, once scraped (health.py); absent: unknown.
         self.kv_capacity_tokens: dict[int, int] = {}
+        # A completion's chain continued in one call where the hasher can (FastHasher: in C when
+        # the extension runs); other hashers continue it from the concatenated ids.
+        self._extend_tail = hasher.extend_tail if isinstance(hasher, FastHasher) else None
 
     @property
     def block_size(self) -> int:
@@ -84,9 +87,7 @@ class Router:
         return specific(reach, common), common
 
     def _reach(self, values: Sequence[int], replicas: Sequence[int]) -> tuple[dict[int, int], int]:
-        eligible = mask_of(replicas)
-        held = self.index.held(values, eligible)
-        return prefix_reach(held, self.index.branching(values), eligible, replicas)
+        return self.index.reach(values, len(values), replicas)
 
     def route(
         self,
@@ -110,7 +111,7 @@ class Router:
         precise = self.precise if key.tokens is not None else None
         replicas = [r for r, _ in loads]
         if precise is None:
-            reach, common = self._reach(values[:matchable], replicas)
+            reach, common = self.index.reach(values, matchable, replicas)
         else:
             event_keys = self._event_keys(key, lora_path, blocks[:matchable])
             reach, common = precise.reach(self.index, values[:matchable], event_keys, replicas)
@@ -132,12 +133,11 @@ class Router:
             candidates.append(Candidate(r, load, matched, new, length, capacity.get(r, 0)))
         decision = self.policy.choose(candidates)
         self.index.record(blocks, decision.replica, values)
-        result = Decision(
-            decision.replica, decision.outcome, decision.matched_blocks, tuple(blocks)
-        )
+        # The policy's decision is a fresh object of this request's: completed in place.
+        decision.blocks = tuple(blocks)
         if precise is not None:
-            precise.routed(result, result.replica)
-        return result
+            precise.routed(decision, decision.replica)
+        return decision
 
     def _event_keys(self, key: RoutingKey, lora_path: str | None, blocks: list[int]) -> list[int]:
         """``blocks`` as vLLM keys them: the index keys, unless a purge epoch is mixed in."""
@@ -163,21 +163,28 @@ class Router:
             return
         bs = self.block_size
         full = len(key.tokens) // bs
-        keys: list[int] | None = None
         if full and len(decision.blocks) == full:
-            tail = list(key.tokens[full * bs :]) + list(completion)
-            more = self.hasher.extend(decision.blocks[-1], tail, self.namespace(key, lora_path))
+            last = decision.blocks[-1]
+            more: list[int] | None
+            if self._extend_tail is not None:
+                more = self._extend_tail(last, key.tokens, full * bs, completion)
+            else:
+                tail = list(key.tokens[full * bs :]) + list(completion)
+                more = self.hasher.extend(last, tail, self.namespace(key, lora_path))
             if more is not None:
                 # The prompt's blocks were recorded when the request was routed; unless the
                 # index was cleared meanwhile (a pause), only its last block needs touching
-                # again, to link it to what follows.
-                if self.index.lookup(decision.blocks[-1:]):
-                    keys = [decision.blocks[-1], *more]
+                # again, to link it to what follows. One lookup of that chain says both (it
+                # stops at the first unknown block: empty when the last block is unknown).
+                keys = [last, *more]
+                known = self.index.lookup(keys)
+                if known:
+                    self.index.record(keys, decision.replica, known)
                 else:
-                    keys = list(decision.blocks) + more
-        if keys is None:
-            ns = self.namespace(key, lora_path)
-            keys = self.hasher.hash_tokens(list(key.tokens) + list(completion), ns)
+                    self.index.record(list(decision.blocks) + more, decision.replica)
+                return
+        ns = self.namespace(key, lora_path)
+        keys = self.hasher.hash_tokens(list(key.tokens) + list(completion), ns)
         self.index.record(keys, decision.replica)
 
     def purge_model(self, model: str) -> None:

@@ -24,7 +24,13 @@ from proxy.core import native
 from proxy.core.extract import RoutingKey, extract_completion
 from proxy.core.hashing import FastHasher, Namespace, _chain, make_hasher
 from proxy.core.policy import make_policy
-from proxy.core.prefix_index import MAX_NATIVE_REPLICAS, PrefixIndex
+from proxy.core.prefix_index import (
+    BRANCHING,
+    HAS_CHILD,
+    MAX_NATIVE_REPLICAS,
+    REQUEST_END,
+    PrefixIndex,
+)
 from proxy.core.router import Router
 from proxy.errors import ProxyError
 from proxy.hotpath import packed_key, parse_json
@@ -226,6 +232,48 @@ def test_fast_hasher_keys_are_the_same_either_way(use_native: bool) -> None:
     assert hasher.hash_text(text, ns) == ref.hash_text(text, ns)
 
 
+completion_ids = st.lists(
+    st.one_of(token, token, token, edgy_int, st.booleans(), st.just(1.5)), max_size=70
+)
+
+
+@SETTINGS
+@given(
+    st.lists(token, max_size=90),
+    st.integers(0, 100),
+    completion_ids,
+    st.integers(1, 20),
+    st.integers(0, 2**64 - 1),
+)
+def test_a_continued_chain_is_the_references(
+    prompt: list[int], start: int, completion: list[Any], block_size: int, parent: int
+) -> None:
+    """FastHasher.extend_tail in C against extend over the concatenated ids, or the same
+    error (a negative or non-integer id; ids past 32 bits fall back to the reference's 64-bit
+    packing)."""
+    ours, ref = FastHasher(block_size, True), FastHasher(block_size, False)
+    ns = Namespace("m")
+
+    def outcome(fn: Any) -> Any:
+        try:
+            return fn()
+        except (OverflowError, TypeError) as exc:
+            return type(exc).__name__
+
+    expected = outcome(lambda: ref.extend(parent, prompt[start:] + completion, ns))
+    packed = array("I", prompt)
+    assert outcome(lambda: ours.extend_tail(parent, packed, start, completion)) == expected
+    assert outcome(lambda: ref.extend_tail(parent, packed, start, completion)) == expected
+
+
+def test_extend_chain_refuses_bad_arguments() -> None:
+    with pytest.raises(ValueError):
+        _native.extend_chain(array("I", [1]), 0, [2], 0, 1)
+    with pytest.raises(ValueError):
+        _native.extend_chain(array("I", [1]), -1, [2], 1, 1)
+    assert _native.extend_chain(b"abc", 0, [2], 1, 1) is None  # not whole uint32s
+
+
 def test_native_mode_resolution() -> None:
     assert native.resolve("off") is False
     assert native.resolve("auto") is True and native.resolve("on") is True
@@ -281,9 +329,46 @@ def test_recording_chains_writes_the_references_values(
         assert ours.lookup(keys) == ref.lookup(keys)
 
 
+replica_lists = st.one_of(
+    st.lists(st.integers(0, 5), max_size=6),  # duplicates too
+    st.lists(st.integers(0, 44), max_size=4),
+    st.lists(st.sampled_from([-1, 0, 1, 44, 45, 63, 64, 2**70]), max_size=3),  # the reference's
+)
+flags = st.sampled_from([0, HAS_CHILD, HAS_CHILD | BRANCHING, BRANCHING | REQUEST_END, BRANCHING])
+
+
+@SETTINGS
+@given(
+    st.lists(st.tuples(st.integers(0, 2**45 - 1), flags), max_size=40),
+    replica_lists,
+    st.integers(0, 45),
+    st.sampled_from([0, 1 << 45, 2**70]),
+)
+def test_the_walk_is_the_references_walk(
+    blocks: list[tuple[int, int]], replicas: list[int], count: int, beyond: int
+) -> None:
+    """PrefixIndex.reach in C against reach.py's prefix_reach over held and branching: the same
+    reach (dict order included) and common depth, or the same error; values beyond 64 bits
+    and replica indices the C walk does not take are the reference's to answer."""
+    values = [(holders << 19) | flag for holders, flag in blocks]
+    if values:
+        values[-1] |= beyond
+    ours, ref = PrefixIndex(100, 45, True), PrefixIndex(100, 45, False)
+    assert ours._walk is _native.prefix_walk and ref._walk is None
+
+    def outcome(index: PrefixIndex) -> Any:
+        try:
+            reach, common = index.reach(values, count, replicas)
+        except (ValueError, OverflowError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return list(reach.items()), common
+
+    assert outcome(ours) == outcome(ref)
+
+
 def test_more_replicas_than_64_bits_hold_stay_in_python() -> None:
     wide = PrefixIndex(100, MAX_NATIVE_REPLICAS + 1, True)
-    assert wide._record_chain is not _native.record_chain
+    assert wide._record_chain is not _native.record_chain and wide._walk is None
     wide.record([1, 2, 3], MAX_NATIVE_REPLICAS)
     assert wide.holders(wide.lookup([1])[0]) == 1 << MAX_NATIVE_REPLICAS
 
@@ -314,6 +399,7 @@ def recorded_workload(seed: int = 11, groups: int = 12) -> list[tuple[bytes, lis
 @pytest.mark.parametrize("policy", ["cost", "prefix"])
 def test_routing_decisions_are_identical_on_a_recorded_workload(policy: str) -> None:
     decisions: dict[bool, list[tuple[int, str, int, tuple[int, ...]]]] = {}
+    states = {}
     for use_native in (False, True):
         index = PrefixIndex(4_000, use_native=use_native)
         router = Router(FastHasher(16, use_native), index, make_policy(policy, 8))
@@ -331,5 +417,7 @@ def test_routing_decisions_are_identical_on_a_recorded_workload(policy: str) -> 
                 (decision.replica, decision.outcome, decision.matched_blocks, decision.blocks)
             )
         decisions[use_native] = seen
+        states[use_native] = index_state(index)
     assert decisions[True] == decisions[False]
+    assert states[True] == states[False]  # learned completions included
     assert {d[1] for d in decisions[True]} >= {"affinity"}
