@@ -187,7 +187,8 @@ class Settings(BaseSettings):
     native: Literal["auto", "on", "off"] = Field(
         "auto",
         description="The per-request work of a token-id completion (scan and pack the prompt "
-        "from the request bytes, chain its block hashes) in the C extension "
+        "from the request bytes, chain its block hashes, the prefix index's record and "
+        "common-prefix walk, chain a finished completion) in the C extension "
         "proxy.core._native, or in the pure-Python reference. auto: the extension when it is "
         "built (pip install / make setup compile it when a C compiler is present); on: refuse "
         "to start without it; off: the reference. Same routing either way; measured side by "

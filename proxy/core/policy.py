@@ -268,13 +268,12 @@ class CostBased(_RoundRobinTies):
         context = max(candidates[0].prompt_tokens, 0) + self.model.expected_output_tokens
         return self.concurrency - fleet_capacity / context, fleet_capacity
 
-    def _holder_has_room(self, candidates: Sequence[Candidate]) -> bool:
-        """Whether a replica holding most of the prompt (fewest new tokens) can take the
+    def _holder_has_room(self, candidates: Sequence[Candidate], fewest_new: int) -> bool:
+        """Whether a replica holding most of the prompt (``fewest_new`` new tokens) can take the
         request without queuing it for memory. Only then is a copy elsewhere avoidable: where
         the holder's cache is already full, the request waits for blocks there too. On small
         caches (tight x16: 8,192 tokens, 3.2 contexts of 2,578) this lets a group spread once
         its holder is full instead of queuing 8 rollouts on one replica."""
-        fewest_new = min(max(c.new_tokens, 0) for c in candidates)
         output = self.model.expected_output_tokens
         for c in candidates:
             if max(c.new_tokens, 0) == fewest_new:
@@ -287,8 +286,8 @@ class CostBased(_RoundRobinTies):
         if not candidates:
             raise ValueError("no candidates")
         excess, fleet_capacity = self._projected_excess(candidates)
-        if excess > 0.0 and self._holder_has_room(candidates):
-            fewest_new = min(max(c.new_tokens, 0) for c in candidates)
+        fewest_new = min(max(c.new_tokens, 0) for c in candidates) if excess > 0.0 else 0
+        if excess > 0.0 and self._holder_has_room(candidates, fewest_new):
             costs = [
                 self.model.cost(
                     c,
