@@ -118,7 +118,9 @@ def unaccounted_requests(running: float, waiting: float, in_flight: int) -> floa
     replicas that are memory-bound (and, summed over the fleet, the cost policy's learned
     concurrency). What the scrape adds is other clients' requests. Floored at 0: requests
     the proxy sent that have not reached the replica's scheduler yet (or whose answers are
-    still streaming back) are in ``in_flight`` but not in the replica's counts."""
+    still streaming back) are in ``in_flight`` but not in the replica's counts. One request
+    with ``n`` > 1 is ``n`` requests to vLLM V1 (it fans the samples out), so such requests of
+    the proxy's own read as others'; TRL sends ``n: 1`` (one request per sample)."""
     extra = running + waiting - in_flight
     return extra if extra > 0.0 else 0.0
 
