@@ -11,6 +11,7 @@ means (the same targets as bench/results/routing.md).
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 from collections.abc import Sequence
@@ -75,6 +76,58 @@ def verdicts(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def paired(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per cell and other router, ``proxy``'s throughput over theirs seed by seed (both in the
+    same run: same seed, same plan, minutes apart), with the mean, spread and range of those
+    ratios. A gap smaller than the spread of the paired ratios is not one the seeds can tell
+    from noise; a proxy behind on every seed is consistently behind."""
+    ratios: dict[tuple[str, int, str], list[float]] = {}
+    for run in runs:
+        ok = {
+            (r["workload"], r["replicas"], r["router"]): r["throughput_tok_s"]
+            for r in run["results"]
+            if r["status"] == "ok"
+        }
+        for (workload, replicas, router), tok_s in ok.items():
+            ours = ok.get((workload, replicas, "proxy"))
+            if router in OTHERS and ours is not None and tok_s > 0:
+                ratios.setdefault((workload, replicas, router), []).append(ours / tok_s)
+    return [
+        {
+            "workload": workload,
+            "replicas": replicas,
+            "other": other,
+            "ratios": each,
+            "mean": statistics.fmean(each),
+            "stdev": statistics.stdev(each) if len(each) > 1 else math.nan,
+            "ahead": sum(1 for x in each if x >= 1.0),
+        }
+        for (workload, replicas, other), each in sorted(ratios.items())
+    ]
+
+
+def render_paired(pairs: Sequence[dict[str, Any]]) -> str:
+    head = ["workload", "replicas", "proxy / this router", "seeds", "each seed", "mean", "stdev"]
+    head.append("seeds proxy >= it")
+    body = [
+        [
+            p["workload"],
+            str(p["replicas"]),
+            p["other"],
+            str(len(p["ratios"])),
+            " / ".join(fmt(x, 3) for x in p["ratios"]),
+            fmt(p["mean"], 3),
+            fmt(p["stdev"], 3),
+            f"{p['ahead']} of {len(p['ratios'])}",
+        ]
+        for p in pairs
+    ]
+    return (
+        "Paired per seed: `proxy`'s throughput over each other router's in the same run.\n\n"
+        + table(head, body)
+    )
+
+
 def render(rows: Sequence[dict[str, Any]], judged: Sequence[dict[str, Any]], sources: str) -> str:
     head = [
         "workload",
@@ -136,12 +189,15 @@ def main(argv: Sequence[str]) -> None:
     runs = [json.loads((d / "routing.json").read_text()) for d in dirs]
     rows = pool(runs)
     judged = verdicts(rows)
+    pairs = paired(runs)
+    commands = [r.get("command") for r in runs]
     out.with_suffix(".json").write_text(
         json.dumps(
-            {"runs": [r.get("command") for r in runs], "pooled": rows, "verdicts": judged}, indent=1
+            {"runs": commands, "pooled": rows, "verdicts": judged, "paired": pairs}, indent=1
         )
     )
-    out.with_suffix(".md").write_text(render(rows, judged, ", ".join(d.name for d in dirs)))
+    text = render(rows, judged, ", ".join(d.name for d in dirs))
+    out.with_suffix(".md").write_text(text + "\n" + render_paired(pairs))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from bench.report import fmt, pct, table
+from bench.simulator import SimConfig
 from bench.workload import RequestRecord
 
 PLACEMENT_CLASSES = ("first-of-group", "with-group", "new-replica", "stayed", "moved")
@@ -182,6 +183,46 @@ def idle_attribution(
     return {"movable": movable / span, "tail": tail / span}
 
 
+def drain_critical_path(rows: Sequence[dict[str, Any]], sim: SimConfig) -> dict[str, float]:
+    """How much of a run's drain any placement could have saved, from its per-request dump.
+
+    The drain starts when the last rollout sends its first turn (run_routing's
+    ``_busy_before_drain``) and ends with the last answer. No placement ends it before the
+    rollout still in flight with the most work left has done that work alone on a replica:
+    per rollout, its remaining requests at a batch of one (the prefill they actually did,
+    ``prompt - cached`` tokens, and their completions at one sequence's decode step; a request
+    already running when the drain starts counts for its remaining share of its time). Returns
+    ``drain_share`` (of the run), ``drain_s`` and ``alone_s`` (simulated seconds: the drain,
+    and that bound), and their ratio ``drain_over_alone``: near 1, no router could shorten the
+    drain; above, the last rollouts waited behind others (the gap is what placement, or an
+    order that started the longest rollouts first, could at most recover)."""
+    rows = [r for r in rows if "rollout" in r]
+    first_turns = [r["t_send"] for r in rows if r["turn"] == 0]
+    if not first_turns:
+        return {}
+    drain_from = max(first_turns)
+    start = min(r["t_send"] for r in rows)
+    end = max(r["t_recv"] for r in rows)
+    step_s = (sim.decode_step_base_ms + sim.decode_step_per_seq_ms) / 1000.0
+    remaining: dict[int, float] = {}
+    for r in rows:
+        if r["t_recv"] <= drain_from:
+            continue
+        alone = (r["prompt_tokens"] - r["cached_tokens"]) * sim.prefill_us_per_token / 1e6
+        alone += r["completion_tokens"] * step_s
+        took = r["t_recv"] - r["t_send"]
+        left = min(1.0, (r["t_recv"] - drain_from) / took) if took > 0 else 1.0
+        remaining[r["rollout"]] = remaining.get(r["rollout"], 0.0) + alone * left
+    drain_s = end - drain_from
+    alone_s = max(remaining.values(), default=0.0)
+    return {
+        "drain_share": drain_s / (end - start) if end > start else float("nan"),
+        "drain_s": drain_s,
+        "alone_s": alone_s,
+        "drain_over_alone": drain_s / alone_s if alone_s > 0 else float("nan"),
+    }
+
+
 def _drain_report(paths: Sequence[str]) -> str:
     """One line per per-request dump (run_routing's ``requests-*.jsonl``)."""
     import json
@@ -195,10 +236,13 @@ def _drain_report(paths: Sequence[str]) -> str:
             continue
         n = max(r["replica"] for r in rows) + 1
         idle = idle_attribution([(r["replica"], r["t_send"], r["t_recv"]) for r in rows], n)
+        drain = drain_critical_path(rows, SimConfig())
         lines.append(
             f"{Path(path).stem.removeprefix('requests-')}: idle while another replica had 2+ "
             f"requests {pct(idle['movable'])}, idle with no replica holding 2 (the tail) "
-            f"{pct(idle['tail'])} of replica-time"
+            f"{pct(idle['tail'])} of replica-time; drain {pct(drain['drain_share'])} of the "
+            f"run, {fmt(drain['drain_s'])} s against {fmt(drain['alone_s'])} s for its longest "
+            f"remaining rollout alone ({fmt(drain['drain_over_alone'])}x)"
         )
     return "\n".join(lines)
 

@@ -22,7 +22,7 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.control import ControlPlane
-from proxy.core.fleet import Fleet, Replica, Status
+from proxy.core.fleet import Fleet, Replica, Status, unaccounted_requests
 from proxy.errors import ProxyError
 from proxy.metrics import Metrics
 from proxy.settings import Settings
@@ -156,14 +156,17 @@ class HealthMonitor:
             log.debug("metrics scrape of replica %d failed: %s", replica.index, exc)
             return
         label = str(replica.index)
-        replica.queue_depth = float(values.get("waiting", 0.0))
+        waiting = float(values.get("waiting", 0.0))
+        replica.queue_depth = unaccounted_requests(
+            float(values.get("running", 0.0)), waiting, replica.in_flight
+        )
         replica.block_size = values.get("block_size", replica.block_size)
         replica.hash_algo = values.get("hash_algo", replica.hash_algo)
         if "num_gpu_blocks" in values and replica.block_size:
             # The cost policy prices KV memory with it (proxy/core/policy.py).
             capacity = values["num_gpu_blocks"] * replica.block_size
             self.control.router.kv_capacity_tokens[replica.index] = capacity
-        self.metrics.vllm_waiting.labels(label).set(replica.queue_depth)
+        self.metrics.vllm_waiting.labels(label).set(waiting)
         if "kv_usage" in values:
             self.metrics.vllm_kv_usage.labels(label).set(values["kv_usage"])
         if "prefix_queries" in values:

@@ -64,7 +64,10 @@ class Replica:
     paused_observed: bool = False
     base_model: str | None = None
     max_model_len: int | None = None
-    queue_depth: float = 0.0  # vllm:num_requests_waiting when scraped
+    # Requests at the replica that this proxy did not send (other clients'), from the last
+    # scrape: :func:`unaccounted_requests`. The router's load is ``in_flight + queue_depth``,
+    # so each request at the replica counts once.
+    queue_depth: float = 0.0
     block_size: int | None = None  # from vllm:cache_config_info / server_info
     hash_algo: str | None = None  # --prefix-caching-hash-algo, same sources
     failures: int = 0  # consecutive failed probes/connects
@@ -104,6 +107,22 @@ class ReconcilePlan:
             why = "state unknown" if not self.pause_known else "differs"
             parts.append(f"{'pause' if self.pause else 'resume'} ({why})")
         return ", ".join(parts) or "nothing"
+
+
+def unaccounted_requests(running: float, waiting: float, in_flight: int) -> float:
+    """Requests a replica runs or queues (its scraped ``vllm:num_requests_running`` +
+    ``vllm:num_requests_waiting``) beyond this proxy's own ``in_flight`` to it.
+
+    The proxy's in-flight count already includes its requests the replica has queued: adding
+    the scraped queue on top counted each of them twice, inflating the load of exactly the
+    replicas that are memory-bound (and, summed over the fleet, the cost policy's learned
+    concurrency). What the scrape adds is other clients' requests. Floored at 0: requests
+    the proxy sent that have not reached the replica's scheduler yet (or whose answers are
+    still streaming back) are in ``in_flight`` but not in the replica's counts. One request
+    with ``n`` > 1 is ``n`` requests to vLLM V1 (it fans the samples out), so such requests of
+    the proxy's own read as others'; TRL sends ``n: 1`` (one request per sample)."""
+    extra = running + waiting - in_flight
+    return extra if extra > 0.0 else 0.0
 
 
 def adapter_version(name: str) -> int | None:

@@ -36,7 +36,7 @@ class Candidate:
     """One eligible replica as the policy sees it."""
 
     replica: int
-    load: float  # in-flight requests through this proxy (+ the replica's own queue if known)
+    load: float  # in flight through this proxy (+ other clients' requests there, if scraped)
     matched: int  # blocks of this request's *specific* prefix the replica was already sent
     # Prompt tokens this replica would have to prefill: the prompt minus the leading blocks it
     # holds (with KV events its reported reach, common preamble included only where held; on
@@ -229,7 +229,12 @@ CONCURRENCY_MEMORY_DECISIONS = 1024
 # flight (trainer/recipe.py ``max_inflight_tasks``, "one step's completions"). Without a prior
 # the start-up burst is priced blind: its first groups arrive while few requests are in flight,
 # and are split over empty replicas before the policy has seen how many will follow. A lower
-# concurrency replaces it as it decays (CONCURRENCY_MEMORY_DECISIONS).
+# concurrency replaces it as it decays (CONCURRENCY_MEMORY_DECISIONS). Ending it with the burst
+# instead (the burst's measured peak, 64, from the first decision after a request finished) was
+# measured and rejected: the groups that start after the burst split again (tight x2: 1.33
+# replicas per group, was 1.00; 4,682 / 4,806 tok/s against 4,841 / 5,067 on seeds 0 / 3), so
+# at the measured concurrency the projected term under-prices a copy, and the prior's slow decay
+# (to ~68 over a 650-request run) is doing work beyond the burst (bench/results/routing_r6.md).
 COLD_START_CONCURRENCY = 128.0
 
 

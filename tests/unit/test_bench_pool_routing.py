@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from bench.pool_routing import pool, render, verdicts
+from bench.pool_routing import paired, pool, render, render_paired, verdicts
 
 
 def _run(tok_s: dict[str, float], p99: float = 5.0) -> dict[str, object]:
@@ -45,3 +45,19 @@ def test_a_failed_run_is_left_out_of_its_cell() -> None:
     failed["results"][0]["status"] = "failed"  # type: ignore[index]
     rows = pool([_run({"proxy": 5000}), failed])
     assert [(r["router"], r["seeds"], r["throughput_tok_s"]) for r in rows] == [("proxy", 1, 5000)]
+
+
+def test_paired_ratios_compare_routers_within_each_run() -> None:
+    # The proxy ahead of vllm-router on two seeds of three; least_loaded ran on one seed only.
+    runs = [
+        _run({"proxy": 5000, "vllm-router": 4000, "proxy-ll": 5000}),
+        _run({"proxy": 4000, "vllm-router": 5000}),
+        _run({"proxy": 5000, "vllm-router": 5000, "proxy-prefix": 1.0}),  # not an "other"
+    ]
+    by_other = {p["other"]: p for p in paired(runs)}
+    assert set(by_other) == {"vllm-router", "proxy-ll"}
+    assert by_other["vllm-router"]["ratios"] == [1.25, 0.8, 1.0]
+    assert by_other["vllm-router"]["ahead"] == 2
+    assert math.isclose(by_other["vllm-router"]["mean"], (1.25 + 0.8 + 1.0) / 3)
+    assert math.isnan(by_other["proxy-ll"]["stdev"])
+    assert "2 of 3" in render_paired(paired(runs))

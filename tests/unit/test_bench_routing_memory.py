@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
-from bench.routing_memory import memory_summary, placement_classes
+import pytest
+
+from bench.routing_memory import drain_critical_path, memory_summary, placement_classes
+from bench.simulator import SimConfig
 from bench.workload import RequestRecord
 
 
@@ -89,3 +93,35 @@ def test_idle_attribution_separates_placement_from_the_tail() -> None:
     assert spread["movable"] == 0.0
     assert math.isclose(spread["tail"], 4 / 20)
     assert math.isnan(idle_attribution([], 2)["tail"])
+
+
+def _row(rollout: int, turn: int, t_send: float, t_recv: float, out: int) -> dict[str, Any]:
+    return {
+        "rollout": rollout,
+        "turn": turn,
+        "t_send": t_send,
+        "t_recv": t_recv,
+        "prompt_tokens": 1100,
+        "cached_tokens": 100,  # 1,000 tokens prefilled: 10 ms at 10 us/token
+        "completion_tokens": out,
+        "replica": 0,
+    }
+
+
+def test_the_drain_is_measured_against_its_longest_rollout_done_alone() -> None:
+    # Rollout 1 starts last (t=2): the drain runs from there to the last answer (t=12).
+    # Rollout 0's remaining request (half of it after t=2) and rollout 1's two requests, each
+    # of 1,000 prefilled tokens and 200 decoded at 4.05 ms a step: 0.82 s alone apiece.
+    rows = [
+        _row(0, 0, 0.0, 1.0, 200),
+        _row(0, 1, 1.0, 3.0, 200),
+        _row(1, 0, 2.0, 6.0, 200),
+        _row(1, 1, 6.0, 12.0, 200),
+        {"cache_clear_at": 5.0},  # dumps end with these lines: not requests
+    ]
+    got = drain_critical_path(rows, SimConfig())
+    alone = 1000 * 10e-6 + 200 * 4.05e-3
+    assert got["drain_s"] == pytest.approx(10.0)
+    assert got["drain_share"] == pytest.approx(10.0 / 12.0)
+    assert got["alone_s"] == pytest.approx(2 * alone)  # rollout 1, not rollout 0's half
+    assert got["drain_over_alone"] == pytest.approx(10.0 / (2 * alone))

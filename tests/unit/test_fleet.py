@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from proxy.core.fleet import Fleet, Status, adapter_version
+from proxy.core.fleet import Fleet, Status, adapter_version, unaccounted_requests
 
 
 def ready_fleet(n: int = 2) -> Fleet:
@@ -121,3 +121,13 @@ def test_adopt_ignores_unknown_pause_states() -> None:
     fleet = Fleet(["http://a", "http://b"])
     fleet.adopt({0: {}, 1: {}}, {0: None, 1: False})
     assert fleet.desired_paused is False
+
+
+def test_a_scraped_queue_adds_only_the_requests_this_proxy_did_not_send() -> None:
+    # The router's load is in_flight + queue_depth: each request at the replica counts once.
+    # Five of ours, two queued for memory: nothing to add (the old count said 5 + 2 = 7).
+    assert unaccounted_requests(running=3.0, waiting=2.0, in_flight=5) == 0.0
+    # Two of ours and five of another client's: the replica holds 7.
+    assert unaccounted_requests(running=4.0, waiting=3.0, in_flight=2) == 5.0
+    # Sent but not yet at the replica's scheduler: the proxy's count is the newer one.
+    assert unaccounted_requests(running=0.0, waiting=0.0, in_flight=3) == 0.0
