@@ -2,8 +2,9 @@
 
     python -m bench.run_kv_events_micro            # prints a markdown table
 
-Per event: decoding one scheduler step's batch (msgpack) and applying it to a replica's view,
-the work the subscriber does per message, divided by the events in it. Per request: what routing
+Per event: decoding one scheduler step's batch (msgpack, and msgspec's typed decoder when
+installed) and applying it to a replica's view, the work the subscriber does per message,
+divided by the events in it. Per request: what routing
 adds -- the exact vLLM block hashes the events require (vs the default fast hashes) and the
 precise match over the views (vs the index's own match) -- plus the one regex over the answer
 that checks the prediction. All timings are measured side by side in this one process; compare
@@ -28,7 +29,7 @@ from proxy.core.kv_view import PreciseMatcher, ReplicaView
 from proxy.core.policy import PrefixAffinity
 from proxy.core.prefix_index import PrefixIndex
 from proxy.core.router import Router
-from proxy.kv_events import decode
+from proxy.kv_events import decode, decode_typed
 
 BLOCK = 16
 
@@ -96,6 +97,22 @@ def event_costs(rng: random.Random) -> list[tuple[str, float]]:
         total = per_call_us(step)
         rows.append((f"{name}: per batch ({len(payload) / 1024:.0f} KiB)", total))
         rows.append((f"{name}: per event", total / len(events)))
+        if decode_typed(payload) is None:
+            continue  # msgspec is not installed: the subscriber decodes generically
+
+        # What the subscriber does once the hashes are confirmed (proxy/kv_events.py): msgspec's
+        # typed decoder, which skips the fields the view does not read (token ids above all).
+        def typed_step(
+            payload: bytes = payload, view: ReplicaView = view, seq: list[int] = seq
+        ) -> None:
+            typed = decode_typed(payload)
+            assert typed is not None
+            view.apply_events(seq[0], typed[1])
+            seq[0] += 1
+
+        typed = per_call_us(typed_step)
+        rows.append((f"{name}: per batch, typed msgspec decoding", typed))
+        rows.append((f"{name}: per event, typed msgspec decoding", typed / len(events)))
     return rows
 
 

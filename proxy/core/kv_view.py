@@ -28,7 +28,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from itertools import islice, takewhile
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from proxy.core.prefix_index import PrefixIndex
 from proxy.core.reach import mask_of, prefix_reach, specific
@@ -79,6 +79,17 @@ class KvEvent(NamedTuple):
 
 
 _new_tuple = tuple.__new__
+
+
+class BlockEvent(Protocol):
+    """What the view reads of an event: a ``KvEvent``, or a typed decoder's struct with the same
+    two attributes (proxy/kv_events.py), so a batch need not be copied into tuples."""
+
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def keys(self) -> Sequence[int]: ...
 
 
 def _block_key(value: Any) -> int:
@@ -278,8 +289,18 @@ class ReplicaView:
     # -- events ---------------------------------------------------------------------------
 
     def apply(self, seq: int, payload: Any) -> bool:
-        """Apply the batch numbered ``seq`` if it is the one expected (replays may overlap what
-        was already applied). A malformed batch is counted, skipped, and drops the view."""
+        """Apply the decoded batch numbered ``seq`` if it is the one expected (replays may
+        overlap what was already applied). A malformed batch is counted, skipped, and drops the
+        view."""
+        try:
+            events: Sequence[BlockEvent] | None = parse_batch(payload)
+        except MalformedBatch:
+            events = None
+        return self.apply_events(seq, events)
+
+    def apply_events(self, seq: int, events: Sequence[BlockEvent] | None) -> bool:
+        """``apply`` for a batch already parsed (None: it was malformed), e.g. by a typed
+        decoder that yields the routed events directly (proxy/kv_events.py)."""
         if self.next_seq is not None and seq != self.next_seq:
             return False
         self.next_seq = seq + 1
@@ -287,9 +308,7 @@ class ReplicaView:
         if seq == 0:
             # A publisher at 0 just started: its cache is empty whatever came before.
             self._resync()
-        try:
-            events = parse_batch(payload)
-        except MalformedBatch:
+        if events is None:
             self.malformed += 1
             self.drop()
             return True

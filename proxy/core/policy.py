@@ -287,6 +287,55 @@ class CostBased(_RoundRobinTies):
                     return True
         return False
 
+    def _own_wait_beyond_fleet(self, candidates: Sequence[Candidate]) -> list[float] | None:
+        """Per candidate, the seconds this request would itself wait for KV blocks there beyond
+        the fleet's mean wait and one cache turnover; None when no candidate would make it
+        wait for memory (the usual case).
+
+        The simulator and vLLM admit FCFS and a request needs blocks for its whole context
+        (bench/simulator.py ``_admit``; vLLM's scheduler stops admitting, or preempts by
+        recompute, when the free block pool runs out). A replica whose cache holds ``slots``
+        contexts like this one and has ``load`` in flight makes it wait behind
+        ``load + 1 - slots`` requests, and a completion frees one context every
+        ``hold_s / slots`` (``hold_s``: :meth:`CostModel.cost`'s decode time of one context),
+        so the wait is their product. :meth:`CostModel.cost` prices only the wait this
+        request's blocks impose on others; charging the whole own wait too priced the same
+        queue twice and over-spread both routers (bench/results/kv_events.md).
+
+        Two parts of the wait are not this placement's doing, so neither is charged:
+
+        - the fleet's mean wait: on a fleet that is uniformly full, a request joining any queue
+          displaces another that would have taken that place;
+        - one ``hold_s`` more: a queue up to one cache's worth of contexts (``slots``) beyond
+          the fleet's is the transient of a group landing together, which the memory term keeps
+          together on purpose (its prompt is pinned by the members running). Past it, the
+          replica reallocates its whole cache before this request is admitted: whatever is
+          cached there now and not pinned by a request still ahead of it is evicted first
+          (vLLM and the simulator evict freed blocks LRU), so the hit that drew it there is
+          gone and the extra wait buys nothing. That is x8's tail: the slowest requests all
+          behind one replica holding ~5x its cache in flight while the rest ran.
+
+        Roomy caches (no wait anywhere), a uniformly full fleet (equal waits) and queues within
+        one turnover of the fleet's charge nothing."""
+        model = self.model
+        output = model.expected_output_tokens
+        waits: list[float] = []
+        holds: list[float] = []
+        for c in candidates:
+            capacity = c.kv_capacity_tokens
+            if capacity <= 0:
+                return None  # unknown capacity: no memory term is priced anywhere
+            slots = capacity / (max(c.prompt_tokens, 0) + output)
+            hold_s = output * (model.decode_step_base_s + model.decode_s_per_seq_step * slots)
+            queued = max(c.load, 0.0) + 1.0 - slots
+            waits.append(queued * hold_s / slots if queued > 0.0 else 0.0)
+            holds.append(hold_s)
+        mean = sum(waits) / len(waits)
+        if mean <= 0.0:
+            return None
+        beyond = [wait - mean - hold_s for wait, hold_s in zip(waits, holds, strict=True)]
+        return [b if b > 0.0 else 0.0 for b in beyond]
+
     def choose(self, candidates: Sequence[Candidate]) -> Decision:
         if not candidates:
             raise ValueError("no candidates")
@@ -303,6 +352,9 @@ class CostBased(_RoundRobinTies):
             ]
         else:
             costs = [self.model.cost(c) for c in candidates]
+        own_wait = self._own_wait_beyond_fleet(candidates)
+        if own_wait is not None:
+            costs = [cost + wait for cost, wait in zip(costs, own_wait, strict=True)]
         low = min(costs)
         # Costs are sums of products of small integers and constants: equal inputs give
         # bit-identical floats, so exact comparison finds the real ties.

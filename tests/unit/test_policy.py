@@ -295,3 +295,66 @@ def test_the_learned_concurrency_follows_a_drop_within_the_memory_window() -> No
     for _ in range(8 * CONCURRENCY_MEMORY_DECISIONS):
         _learn_concurrency(policy, 7)
     assert policy.concurrency == pytest.approx(8, abs=0.1)
+
+
+# A late-turn continuation on tight x8's caches (763 blocks: 12,208 tokens): its 5,000-token
+# prompt (5,600-token contexts, 2.18 slots) is held by replica 0 but for the last turn's 700
+# tokens; the other seven replicas hold only the 400-token template. (replica, load, matched
+# blocks, new tokens, prompt tokens, capacity).
+CAPACITY = 12_208
+CONTEXT_SLOTS = CAPACITY / (5000 + 600)
+
+
+def _continuation_fleet(holder_load: float, other_load: float) -> list[Candidate]:
+    return [
+        Candidate(0, holder_load, 268, 700, 5000, CAPACITY),
+        *(Candidate(r, other_load, 0, 4600, 5000, CAPACITY) for r in range(1, 8)),
+    ]
+
+
+def _wait_s(load: float) -> float:
+    """This request's own FCFS wait for blocks on a replica with ``load`` in flight."""
+    return max(load + 1 - CONTEXT_SLOTS, 0.0) * _hold_s(CONTEXT_SLOTS) / CONTEXT_SLOTS
+
+
+def test_a_lone_saturated_holder_is_charged_the_wait_beyond_the_fleets_and_a_turnover() -> None:
+    """x8's tail (bench/results/kv_events.md): the holder has ~9x its cache in flight while
+    the rest of the fleet queues ~3x. Without the own-wait term the held prefix wins (its
+    memory term charges only the 700 new tokens and the output, a copy elsewhere the whole
+    context); with it, the request goes where it will not wait for a whole cache's turnover
+    more than anywhere else."""
+    fleet = _continuation_fleet(holder_load=20, other_load=7)
+    policy = CostBased(concurrency=0.0)
+    charges = policy._own_wait_beyond_fleet(fleet)
+    assert charges is not None
+    mean = (_wait_s(20) + 7 * _wait_s(7)) / 8
+    assert charges[0] == pytest.approx(_wait_s(20) - mean - _hold_s(CONTEXT_SLOTS))
+    assert charges[1:] == [0.0] * 7
+    model = CostModel()
+    without = [model.cost(c) for c in fleet]
+    assert without.index(min(without)) == 0  # the pile-up the term exists to stop
+    decision = policy.choose(fleet)
+    assert (decision.replica != 0, decision.outcome) == (True, "spilled")
+
+
+def test_a_uniformly_full_fleet_or_a_queue_within_a_turnover_charges_no_own_wait() -> None:
+    """Every replica equally far past its cache: joining any queue displaces another request,
+    so nothing is charged and affinity stays. A holder within one cache turnover of the
+    fleet's queue (two requests more on 2.18 slots; a group landing together) is not charged
+    either."""
+    for holder_load, other_load in ((20, 20), (9, 7)):
+        fleet = _continuation_fleet(holder_load, other_load)
+        policy = CostBased(concurrency=0.0)
+        assert policy._own_wait_beyond_fleet(fleet) == [0.0] * 8
+        decision = policy.choose(fleet)
+        assert (decision.replica, decision.outcome) == (0, "affinity")
+
+
+def test_roomy_or_unknown_caches_have_no_own_wait_term() -> None:
+    """No replica makes the request wait for memory (an H100's cache), or a capacity is not
+    scraped yet: the term is absent and the decision is the cost model's alone."""
+    fleet = _continuation_fleet(20, 7)
+    roomy = [dataclasses.replace(c, kv_capacity_tokens=2_240_000) for c in fleet]
+    assert CostBased()._own_wait_beyond_fleet(roomy) is None
+    fleet[2] = dataclasses.replace(fleet[2], kv_capacity_tokens=0)
+    assert CostBased()._own_wait_beyond_fleet(fleet) is None
