@@ -93,7 +93,9 @@ class Settings(BaseSettings):
         description="Routing policy: "
         f"{', '.join(sorted(POLICIES))}. cost: the replica where the request adds the least "
         "prefill + decode time, plus the KV-memory wait it adds where a replica's cache cannot "
-        "hold its queue (proxy/core/policy.py, constants from H100 figures). Default "
+        "hold its queue, and its own wait for memory where a replica's queue exceeds the "
+        "fleet's by more than a cache's turnover (proxy/core/policy.py, constants from H100 "
+        "figures). Default "
         "because it led prefix and round_robin on throughput in 9 of 12 benchmark cells "
         "(least_loaded in 6) with the best balance, and won where KV memory is short "
         "(bench/results/routing.md).",
