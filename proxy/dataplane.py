@@ -232,7 +232,12 @@ class DataPlane:
             metrics = self.metrics
             metrics.observe_upstream(route, label, upstream_s)
             metrics.count_request(route, label, status)
-            if status == 200 and key.tokens is not None and key.num_prompts == 1:
+            if (
+                status == 200
+                and key.tokens is not None
+                and key.num_prompts == 1
+                and self.router.learns_completions
+            ):
                 self._remember_completion(key, decision, reply.body, lora_path)
             if self.kv_events is not None:
                 self.kv_events.observe(decision, reply.body)

@@ -146,6 +146,12 @@ class Router:
         ns = Namespace(key.model, lora_path, key.cache_salt, 0)
         return self.hasher.hash_tokens(key.tokens, ns)[: len(blocks)]
 
+    @property
+    def learns_completions(self) -> bool:
+        """Whether ``record_completion`` learns anything: only a prefix-aware policy reads the
+        index, so the data path skips reading a completion's ids for the others."""
+        return self.policy.uses_prefix
+
     def record_completion(
         self,
         key: RoutingKey,

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 import pytest
 
 from proxy.errors import UpstreamTimeout
-from proxy.pool import HIGH_WATER, JOIN_BELOW, LeanPool, LeanReply
+from proxy.pool import HIGH_WATER, JOIN_BELOW, Connection, LeanPool
 from proxy.upstream import ReplicaBroken, ReplicaUnreachable
 from tests.support.fake_vllm import FakeVllm
 from tests.support.servers import ServerThread, free_port
@@ -328,16 +328,17 @@ async def test_slow_client_pauses_the_replica_stream(monkeypatch: pytest.MonkeyP
 
     most_buffered = 0
     pauses = 0
-    real_on_body = LeanReply.on_body
+    real_on_body = Connection.on_body
 
-    def on_body(self: LeanReply, body: bytes) -> None:
+    def on_body(self: Connection, body: bytes) -> None:
         nonlocal most_buffered, pauses
-        was = self.conn.paused
+        was = self.paused
         real_on_body(self, body)
-        most_buffered = max(most_buffered, self.buffered)
-        pauses += self.conn.paused and not was
+        assert self.reply is not None
+        most_buffered = max(most_buffered, self.reply.buffered)
+        pauses += self.paused and not was
 
-    monkeypatch.setattr(LeanReply, "on_body", on_body)
+    monkeypatch.setattr(Connection, "on_body", on_body)
     async with RawServer(handler) as url:
         pool = make_pool()
         reply = await pool.post(0, url, "/v1/completions", BODY, HEADERS, stream=True)
@@ -369,3 +370,26 @@ async def test_a_large_body_arrives_whole() -> None:
         reply = await pool.post(0, url, "/v1/completions", large, HEADERS, stream=False)
         assert reply.status == 200
     assert seen == [large]
+
+
+async def test_bytes_after_a_complete_answer_retire_the_connection() -> None:
+    """A replica that sends the start of a second response behind a complete one leaves the
+    connection's parser mid-message: the next request must not read that as its answer."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
+        if n == 1:
+            await read_request(reader)
+            writer.write(ok(b"first") + b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\nstal")
+        while True:
+            await read_request(reader)
+            writer.write(ok(b"from connection %d" % n))
+
+    server = RawServer(handler)
+    async with server as url:
+        pool = make_pool()
+        first = await pool.post(0, url, "/v1/completions", BODY, HEADERS, stream=False)
+        assert first.body == b"first"
+        second = await pool.post(0, url, "/v1/completions", BODY, HEADERS, stream=False)
+        assert (second.status, second.body) == (200, b"from connection 2")
+        assert server.connections == 2
+        await pool.aclose()

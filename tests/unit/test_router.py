@@ -238,3 +238,20 @@ def test_cached_namespaces_follow_purges_and_stay_bounded(monkeypatch: pytest.Mo
         assert router.block_keys(salted) == expected
     assert len(router._namespaces) <= 4
     assert len(router.hasher._seeds) <= 4  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("name", "learns"),
+    [("cost", True), ("prefix", True), ("round_robin", False), ("least_loaded", False)],
+)
+def test_only_prefix_aware_policies_learn_completions(name: str, learns: bool) -> None:
+    """The data path skips reading a completion's ids when the router would learn nothing."""
+    from proxy.core.policy import make_policy
+
+    router = Router(FastHasher(16), PrefixIndex(100_000), make_policy(name, 8))
+    assert router.learns_completions is learns
+    p = list(range(40))
+    decision = router.route(key(p), [(0, 0.0), (1, 0.0)])
+    router.record_completion(key(p), decision, list(range(100, 140)))
+    # What a follow-up turn matches: learned completions only under prefix-aware policies.
+    assert bool(len(router.index)) is learns
