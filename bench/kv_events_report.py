@@ -170,10 +170,8 @@ def pooled(raws: Sequence[dict[str, Any]], workload: str = "tight") -> str:
         for at, index, events in cells[n]:
             rows.append([str(n), at, cols(index), cols(events), diff(index, events),
                          _memo_share(events)])  # fmt: skip
-        mean = [
-            {k: sum(pair[side][k] for pair in cells[n]) / len(cells[n]) for k in keys}
-            for side in (1, 2)
-        ]
+        sides = ([index for _, index, _ in cells[n]], [events for _, _, events in cells[n]])
+        mean = [{k: sum(run[k] for run in side) / len(side) for k in keys} for side in sides]
         rows.append([f"**{n}**", f"**pooled, {len(cells[n])} runs**", cols(mean[0]),
                      cols(mean[1]), f"**{diff(mean[0], mean[1])}**", ""])  # fmt: skip
     head = [

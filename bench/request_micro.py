@@ -12,18 +12,19 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
 from bench.run_overhead import DISTINCT_PROMPTS, _fixed_completion, completion_request
 from proxy.app import Runtime, _data_path, build_runtime
 from proxy.core import native
 from proxy.core import router as router_module
-from proxy.core.extract import extract_completion
+from proxy.core.extract import RoutingKey, extract_completion
 from proxy.core.fleet import Status
 from proxy.core.policy import Candidate
 from proxy.dataplane import RelayedBody, completion_token_ids
 from proxy.hotpath import DataPath, packed_key, parse_json, request_id
+from proxy.relay import Reply
 from proxy.settings import Settings
 
 T = TypeVar("T")
@@ -40,8 +41,16 @@ class _InstantReply:
         self.headers = {"content-type": "application/json"}
         self.body = ANSWER
 
+    def chunks(self) -> AsyncIterator[bytes]:
+        raise NotImplementedError("a buffered answer is not streamed")
+
     async def close(self) -> None:
         return None
+
+
+def _known(key: RoutingKey | None) -> RoutingKey:
+    assert key is not None, "a flat token-id prompt always packs"
+    return key
 
 
 class _InstantRelay:
@@ -61,7 +70,7 @@ class _InstantRelay:
         content: bytes,
         headers: Mapping[str, str],
         stream: bool,
-    ) -> _InstantReply:
+    ) -> Reply:
         return _InstantReply()
 
 
@@ -134,7 +143,7 @@ def request_timings(timer: Callable[[str, Callable[[], object]], Any]) -> tuple[
         timings.append(timer("  the same through the C extension", whole_through(n_path)))
         split = n_path.split_prompt
         assert split is not None
-        n_keys = [packed_key(split, raw) for raw in raws]
+        n_keys = [_known(packed_key(split, raw)) for raw in raws]
         ns = n_rt.router.namespace(keys[0])
         n_router = n_rt.router
         n_key = n_keys[0] or keys[0]

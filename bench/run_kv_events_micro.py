@@ -53,6 +53,10 @@ def per_call_us(fn: Callable[[], object], min_s: float = 0.3) -> float:
     return best * 1e6
 
 
+def removed_event(rng: random.Random) -> dict[str, object]:
+    return {"type": "BlockRemoved", "block_hashes": [rng.getrandbits(64)], "medium": "GPU"}
+
+
 def stored_event(rng: random.Random, blocks: int) -> dict[str, object]:
     return {"type": "BlockStored", "block_hashes": [rng.getrandbits(64) for _ in range(blocks)],
             "parent_block_hash": rng.getrandbits(64),
@@ -65,23 +69,17 @@ def event_costs(rng: random.Random) -> list[tuple[str, float]]:
     """A decode step (one block for each of 64 running sequences, plus 8 evictions) and a
     prefill step (8 new 1,024-token prompts: 64 blocks each)."""
     rows = []
-    cases = {
+    cases: dict[str, list[dict[str, object]]] = {
         "decode step: 64 x BlockStored(1 block) + 8 x BlockRemoved": [
             *(stored_event(rng, 1) for _ in range(64)),
-            *(
-                {"type": "BlockRemoved", "block_hashes": [rng.getrandbits(64)], "medium": "GPU"}
-                for _ in range(8)
-            ),
+            *(removed_event(rng) for _ in range(8)),
         ],
         "prefill step: 8 x BlockStored(64 blocks)": [stored_event(rng, 64) for _ in range(8)],
         # What one request of the memory-tight benchmark causes: its new blocks stored, as many
         # evicted, one BlockRemoved each (bench/results/kv_events.md counts ~140 per request).
         "evicting prefill: BlockStored(140 blocks) + 140 x BlockRemoved": [
             stored_event(rng, 140),
-            *(
-                {"type": "BlockRemoved", "block_hashes": [rng.getrandbits(64)], "medium": "GPU"}
-                for _ in range(140)
-            ),
+            *(removed_event(rng) for _ in range(140)),
         ],
     }
     for name, events in cases.items():

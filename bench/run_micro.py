@@ -211,7 +211,7 @@ def write_request_report(timings: Sequence[Timing], core: str, out: Path, comman
         )
     )
     (out / "micro_request.md").write_text("".join(md))
-    raw = {"machine": machine, "command": command, "core": core}
+    raw: dict[str, object] = {"machine": machine, "command": command, "core": core}
     raw["stages"] = [asdict(t) for t in timings]
     (out / "micro_request.json").write_text(json.dumps(raw, indent=1))
     return out / "micro_request.md"

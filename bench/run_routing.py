@@ -557,7 +557,9 @@ async def run_one(
         urls = [f"http://127.0.0.1:{p}" for p in ports]
         env = spec.environment(probe_real)
         if spec.kv_events:
-            env["PROXY_KV_EVENTS_ENDPOINTS"] = ",".join(fleet_info.get("kv_events", []))
+            endpoints = fleet_info.get("kv_events", [])
+            assert isinstance(endpoints, list)
+            env["PROXY_KV_EVENTS_ENDPOINTS"] = ",".join(map(str, endpoints))
 
         def start_router(log_name: str) -> tuple[ManagedProcess, str]:
             port = free_port()

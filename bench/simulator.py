@@ -144,7 +144,7 @@ class SimConfig:
         """The KV memory these blocks stand for, for the report."""
         return self.kv_blocks * self.block_size * _KV_BYTES_PER_TOKEN / 2**30
 
-    def step_seconds(self, batch: int) -> float:
+    def step_seconds(self, batch: float) -> float:
         """Simulated seconds of one decode step with ``batch`` running sequences."""
         return (self.decode_step_base_ms + self.decode_step_per_seq_ms * batch) / 1000.0
 

@@ -154,7 +154,7 @@ def resolve_checkpoint(recipe: Recipe) -> ResumePoint:
 def _metrics_callback(path: Path) -> Any:
     from transformers import TrainerCallback
 
-    class MetricsFile(TrainerCallback):
+    class MetricsFile(TrainerCallback):  # type: ignore[misc]  # transformers is not analysed (pyproject)
         """Append every logged metrics dict as one JSON line (rank 0): the run's machine-readable
         record, independent of any reporting integration."""
 

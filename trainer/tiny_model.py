@@ -155,7 +155,7 @@ def _train_tokenizer(vocab_size: int, seed: int) -> object:
         show_progress=False,
     )
     tok.train_from_iterator(_corpus(seed), trainer=trainer)
-    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+    fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
@@ -281,7 +281,7 @@ def build_tiny_model(
     model = Qwen2ForCausalLM(config)
     if pretrain_steps:
         _pretrain_answer_format(model, tokenizer, pretrain_steps, seed)
-    model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
+    model.generation_config = GenerationConfig(
         bos_token_id=pad_id, eos_token_id=[im_end, pad_id], pad_token_id=pad_id
     )
     model.save_pretrained(out, safe_serialization=True)
