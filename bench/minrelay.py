@@ -74,12 +74,61 @@ class _Pool:
         return answer
 
 
-class _Client(asyncio.Protocol):
-    """One client connection: each request is forwarded to the next backend."""
+class _Routed:
+    """rollout-proxy's routing core on the bare relay (``floor-min-routed``): the C scan and
+    pack of the prompt, orjson of the rest, ``Router.route`` with the default cost policy over
+    the in-flight counts, and the completion learned, as the proxy does per request; nothing of
+    its front, guard, limits, metrics, logs or client. The distance from ``floor-min`` is what
+    routing costs under load; from the proxy, what everything else does (issue 12)."""
 
-    def __init__(self, pool: _Pool, backends: Iterator[Backend]) -> None:
+    def __init__(self, backends: Sequence[Backend]) -> None:
+        from proxy.core import native
+        from proxy.core.hashing import make_hasher
+        from proxy.core.policy import make_policy
+        from proxy.core.prefix_index import PrefixIndex
+        from proxy.core.router import Router
+        from proxy.settings import Settings
+
+        native_module = native.module_for(True)  # refuses to run without it
+        assert native_module is not None
+        defaults = Settings(replicas=[f"http://{h}:{p}" for h, p in backends])
+        self.split = native_module.split_prompt
+        self.router = Router(
+            make_hasher("fast", 16, "sha256", None, True),
+            PrefixIndex(defaults.index_capacity, defaults.max_replicas, True),
+            make_policy(defaults.policy, defaults.imbalance),
+        )
+        self.backends = list(backends)
+        self.in_flight = [0] * len(backends)
+
+    async def post(self, pool: _Pool, path: bytes, body: bytes) -> tuple[int, bytes]:
+        from proxy.dataplane import completion_token_ids
+        from proxy.hotpath import packed_key
+
+        key = packed_key(self.split, body)
+        assert key is not None, "floor-min-routed relays token-id prompts only"
+        in_flight = self.in_flight
+        decision = self.router.route(key, [(i, float(n)) for i, n in enumerate(in_flight)])
+        replica = decision.replica
+        in_flight[replica] += 1
+        try:
+            status, answer = await pool.post(self.backends[replica], path, body)
+        finally:
+            in_flight[replica] -= 1
+        generated = completion_token_ids(answer)
+        if status == 200 and generated is not None:
+            self.router.record_completion(key, decision, generated)
+        return status, answer
+
+
+class _Client(asyncio.Protocol):
+    """One client connection: each request is forwarded to the next backend (or, routed, to
+    the one rollout-proxy's router picks)."""
+
+    def __init__(self, pool: _Pool, backends: Iterator[Backend], routed: _Routed | None) -> None:
         self.pool = pool
         self.backends = backends
+        self.routed = routed
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.url = b""
@@ -102,7 +151,10 @@ class _Client(asyncio.Protocol):
         asyncio.get_running_loop().create_task(self._serve(self.url, body))
 
     async def _serve(self, path: bytes, body: bytes) -> None:
-        status, answer = await self.pool.post(next(self.backends), path, body)
+        if self.routed is None:
+            status, answer = await self.pool.post(next(self.backends), path, body)
+        else:
+            status, answer = await self.routed.post(self.pool, path, body)
         assert self.transport is not None
         self.transport.write(
             b"HTTP/1.1 %d OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
@@ -110,17 +162,18 @@ class _Client(asyncio.Protocol):
         )
 
 
-async def _serve_forever(port: int, backends: Sequence[Backend]) -> None:
+async def _serve_forever(port: int, backends: Sequence[Backend], routed: bool) -> None:
     loop = asyncio.get_running_loop()
     pool, turn = _Pool(backends), itertools.cycle(backends)
-    server = await loop.create_server(lambda: _Client(pool, turn), "127.0.0.1", port)
+    router = _Routed(backends) if routed else None
+    server = await loop.create_server(lambda: _Client(pool, turn, router), "127.0.0.1", port)
     await server.serve_forever()
 
 
-def run(port: int, backend_urls: Sequence[str]) -> None:
+def run(port: int, backend_urls: Sequence[str], routed: bool = False) -> None:
     backends = []
     for url in backend_urls:
         parts = urlsplit(url)
         assert parts.hostname is not None and parts.port is not None, url
         backends.append((parts.hostname, parts.port))
-    uvloop.run(_serve_forever(port, backends))
+    uvloop.run(_serve_forever(port, backends, routed))

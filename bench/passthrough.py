@@ -127,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--backends", required=True, help="comma-separated base URLs")
     p.add_argument("--client", choices=("lean", "aiohttp"), default="lean")
-    p.add_argument("--front", choices=("asgi", "protocol", "min"), default="asgi")
+    p.add_argument("--front", choices=("asgi", "protocol", "min", "min-routed"), default="asgi")
     args = p.parse_args(argv)
     import uvicorn
 
@@ -136,10 +136,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     from proxy.server import settle_garbage_collector
 
     settle_garbage_collector()
-    if args.front == "min":
+    if args.front in ("min", "min-routed"):
         from bench.minrelay import run
 
-        run(args.port, backends)
+        run(args.port, backends, routed=args.front == "min-routed")
         return 0
     app = Passthrough(backends, args.client)
     http: Any = "auto"

@@ -181,6 +181,13 @@ TARGETS: dict[str, Target] = {
             args=("--front", "min"),
         ),
         Target(
+            "floor-min-routed",
+            "floor-min + rollout-proxy's routing core (C scan, Router.route with the cost policy, "
+            "the completion learned) and nothing else: what routing costs under load",
+            "py-floor",
+            args=("--front", "min-routed"),
+        ),
+        Target(
             "floor-aiohttp",
             "bare ASGI app on uvicorn + one aiohttp session, round robin",
             "py-floor",

@@ -143,6 +143,7 @@ def test_overhead_smoke_with_our_proxy(tmp_path: Path) -> None:
         "floor",
         "floor-protocol",
         "floor-min",
+        "floor-min-routed",
     ]
     _run("bench.run_overhead", "--smoke", "--targets", ",".join(targets), "--out", str(tmp_path))
     _check_overhead(tmp_path, targets)
