@@ -540,5 +540,14 @@ PyMODINIT_FUNC PyInit__native(void) {
         Py_DECREF(m);
         return NULL;
     }
+    /* The packed index value's layout as this file defines it, in prefix_index.py's order:
+     * PrefixIndex refuses the module when its own constants differ (no silent drift). */
+    PyObject *layout = Py_BuildValue("(KKKiKi)", HAS_CHILD, BRANCHING, REQUEST_END, FP_SHIFT,
+                                     FP_MASK, HOLDERS_SHIFT);
+    if (layout == NULL || PyModule_AddObject(m, "INDEX_LAYOUT", layout) < 0) {
+        Py_XDECREF(layout);
+        Py_DECREF(m);
+        return NULL;
+    }
     return m;
 }

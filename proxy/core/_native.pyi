@@ -4,6 +4,8 @@ from collections.abc import Sequence
 from typing_extensions import Buffer
 
 XXHASH_VERSION: str
+# (HAS_CHILD, BRANCHING, REQUEST_END, FP_SHIFT, FP_MASK, HOLDERS_SHIFT): prefix_index.INDEX_LAYOUT
+INDEX_LAYOUT: tuple[int, int, int, int, int, int]
 
 def split_prompt(body: Buffer, /) -> tuple[array[int], bytes] | None: ...
 def chain(data: Buffer, step: int, seed: int, /) -> list[int]: ...

@@ -33,6 +33,9 @@ REQUEST_END = 4
 _FP_SHIFT = 3
 _FP_MASK = 0xFFFF
 _HOLDERS_SHIFT = 19
+# The same layout, in this order, is defined again in proxy/core/_native.c (its C walk and
+# writes read values as 64-bit words); the module exports its copy and must match this one.
+INDEX_LAYOUT = (HAS_CHILD, BRANCHING, REQUEST_END, _FP_SHIFT, _FP_MASK, _HOLDERS_SHIFT)
 
 # 32 replicas behind one proxy process is far beyond the recipe's 2 and keeps each packed value
 # within two 30-bit int digits (32 bytes); raise it with PROXY_MAX_REPLICAS for bigger fleets.
@@ -72,6 +75,11 @@ class PrefixIndex:
         self._record_chain: Callable[[dict[int, int], Sequence[int], Sequence[int], int], None]
         self._record_chain = _record_chain
         self._walk: Callable[[Sequence[int], int, Sequence[int]], _Reach | None] | None = None
+        if module is not None and module.INDEX_LAYOUT != INDEX_LAYOUT:
+            raise RuntimeError(
+                f"proxy.core._native packs index values as {module.INDEX_LAYOUT}, "
+                f"prefix_index.py as {INDEX_LAYOUT}: rebuild the extension (make setup)"
+            )
         if module is not None and max_replicas <= MAX_NATIVE_REPLICAS:
             self._record_chain = module.record_chain
             self._walk = module.prefix_walk

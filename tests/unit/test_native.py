@@ -27,6 +27,7 @@ from proxy.core.policy import make_policy
 from proxy.core.prefix_index import (
     BRANCHING,
     HAS_CHILD,
+    INDEX_LAYOUT,
     MAX_NATIVE_REPLICAS,
     REQUEST_END,
     PrefixIndex,
@@ -297,6 +298,21 @@ def test_on_without_the_extension_refuses_to_start(monkeypatch: pytest.MonkeyPat
 
 
 # -- the prefix index -----------------------------------------------------------------------------
+
+
+def test_the_extension_packs_index_values_as_prefix_index_does() -> None:
+    assert _native.INDEX_LAYOUT == INDEX_LAYOUT
+
+
+def test_an_extension_with_another_layout_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Drifted:
+        INDEX_LAYOUT = (*INDEX_LAYOUT[:-1], INDEX_LAYOUT[-1] + 1)  # holders one bit higher
+        record_chain = prefix_walk = None
+
+    monkeypatch.setattr(native, "MODULE", Drifted)
+    with pytest.raises(RuntimeError, match="rebuild the extension"):
+        PrefixIndex(64, use_native=True)
+    PrefixIndex(64, use_native=False)  # the pure-Python index never reads the module
 
 
 def index_state(index: PrefixIndex) -> Any:
