@@ -163,8 +163,8 @@ def request_timings(timer: Callable[[str, Callable[[], object]], Any]) -> tuple[
             ),
             (
                 "native:   common-prefix walk",
-                lambda: n_router._reach(
-                    n_values[: (n_key.length - 1) // n_router.block_size], [0, 1]
+                lambda: n_router.index.reach(
+                    n_values, (n_key.length - 1) // n_router.block_size, [0, 1]
                 ),
             ),
             (
@@ -197,7 +197,7 @@ def request_timings(timer: Callable[[str, Callable[[], object]], Any]) -> tuple[
         ("Router.route, whole (distinct64 keys)", lambda: router.route(next_key(), loads)),
         ("  hash: 32 blocks", lambda: router.block_keys(key)),
         ("  index lookup", lambda: router.index.lookup(blocks)),
-        ("  common-prefix walk", lambda: router._reach(values[:matchable], [0, 1])),
+        ("  common-prefix walk", lambda: router.index.reach(values, matchable, [0, 1])),
         ("  policy: cost of 2 candidates", lambda: router.policy.choose(candidates)),
         ("  index record (looked up)", lambda: router.index.record(blocks, 0, values)),
         ("learn: find the generated ids", lambda: completion_token_ids(ANSWER)),

@@ -144,6 +144,9 @@ class FastHasher:
         return self.chain(data, width * self.block_size, self._seed(namespace))
 
     def extend(self, parent: int, tokens: Sequence[int], namespace: Namespace) -> list[int] | None:
+        return self._resume(parent, tokens)
+
+    def _resume(self, parent: int, tokens: Sequence[int]) -> list[int]:
         # The chain's state *is* the previous key (it is the next block's seed).
         data, width = _token_bytes(tokens)
         return self.chain(data, width * self.block_size, parent)
@@ -161,8 +164,7 @@ class FastHasher:
             keys = extend_chain(prompt, start, completion, self.block_size, parent)
             if keys is not None:
                 return keys
-        data, width = _token_bytes(list(prompt[start:]) + list(completion))
-        return self.chain(data, width * self.block_size, parent)
+        return self._resume(parent, list(prompt[start:]) + list(completion))
 
     def hash_text(self, text: bytes, namespace: Namespace) -> list[int]:
         # 4 bytes per pseudo-token: see proxy/core/extract.py for why.

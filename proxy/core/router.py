@@ -83,11 +83,9 @@ class Router:
 
     def matches(self, blocks: Sequence[int], replicas: Sequence[int]) -> tuple[dict[int, int], int]:
         """(specific matches per replica, depth of the common preamble in blocks)."""
-        reach, common = self._reach(self.index.lookup(blocks), replicas)
+        values = self.index.lookup(blocks)
+        reach, common = self.index.reach(values, len(values), replicas)
         return specific(reach, common), common
-
-    def _reach(self, values: Sequence[int], replicas: Sequence[int]) -> tuple[dict[int, int], int]:
-        return self.index.reach(values, len(values), replicas)
 
     def route(
         self,
