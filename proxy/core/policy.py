@@ -205,7 +205,8 @@ class CostModel:
         cost = new_tokens * self.prefill_s_per_token * (1.0 + load)
         cost += 2.0 * load * output * self.decode_s_per_seq_step
         capacity = candidate.kv_capacity_tokens
-        if capacity > 0:  # inline, not a method: this runs per candidate on every request
+        # slots() and hold_seconds() written inline: this runs per candidate on every request.
+        if capacity > 0:
             slots = capacity / (max(candidate.prompt_tokens, 0) + output)
             # Blocks held x requests waiting for them, now and as projected for the fleet.
             now = (load + 1.0 - slots) * (new_tokens + output)
@@ -216,6 +217,19 @@ class CostModel:
                 hold_s = output * (self.decode_step_base_s + self.decode_s_per_seq_step * slots)
                 cost += blocked / capacity * hold_s
         return cost
+
+    def slots(self, candidate: Candidate) -> float:
+        """How many contexts like this request's (prompt + expected output) the candidate's KV
+        cache holds (its capacity must be known)."""
+        context = max(candidate.prompt_tokens, 0) + self.expected_output_tokens
+        return candidate.kv_capacity_tokens / context
+
+    def hold_seconds(self, slots: float) -> float:
+        """How long a request holds its KV blocks: its expected output's decode steps, at a
+        batch of ``slots`` sequences."""
+        return self.expected_output_tokens * (
+            self.decode_step_base_s + self.decode_s_per_seq_step * slots
+        )
 
 
 # How fast the learned fleet concurrency forgets a peak: by a factor (1 - 1/N) per decision, so
@@ -279,12 +293,9 @@ class CostBased(_RoundRobinTies):
         the holder's cache is already full, the request waits for blocks there too. On small
         caches (tight x16: 8,192 tokens, 3.2 contexts of 2,578) this lets a group spread once
         its holder is full instead of queuing 8 rollouts on one replica."""
-        output = self.model.expected_output_tokens
         for c in candidates:
-            if max(c.new_tokens, 0) == fewest_new:
-                slots = c.kv_capacity_tokens / (max(c.prompt_tokens, 0) + output)
-                if max(c.load, 0.0) + 1.0 <= slots:
-                    return True
+            if max(c.new_tokens, 0) == fewest_new and max(c.load, 0.0) + 1.0 <= self.model.slots(c):
+                return True
         return False
 
     def _own_wait_beyond_fleet(self, candidates: Sequence[Candidate]) -> list[float] | None:
@@ -318,15 +329,13 @@ class CostBased(_RoundRobinTies):
         Roomy caches (no wait anywhere), a uniformly full fleet (equal waits) and queues within
         one turnover of the fleet's charge nothing."""
         model = self.model
-        output = model.expected_output_tokens
         waits: list[float] = []
         holds: list[float] = []
         for c in candidates:
-            capacity = c.kv_capacity_tokens
-            if capacity <= 0:
+            if c.kv_capacity_tokens <= 0:
                 return None  # unknown capacity: no memory term is priced anywhere
-            slots = capacity / (max(c.prompt_tokens, 0) + output)
-            hold_s = output * (model.decode_step_base_s + model.decode_s_per_seq_step * slots)
+            slots = model.slots(c)
+            hold_s = model.hold_seconds(slots)
             queued = max(c.load, 0.0) + 1.0 - slots
             waits.append(queued * hold_s / slots if queued > 0.0 else 0.0)
             holds.append(hold_s)
