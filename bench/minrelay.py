@@ -87,6 +87,8 @@ class _Routed:
         from proxy.core.policy import make_policy
         from proxy.core.prefix_index import PrefixIndex
         from proxy.core.router import Router
+        from proxy.dataplane import completion_token_ids
+        from proxy.hotpath import packed_key
         from proxy.settings import Settings
 
         native_module = native.module_for(True)  # refuses to run without it
@@ -100,12 +102,12 @@ class _Routed:
         )
         self.backends = list(backends)
         self.in_flight = [0] * len(backends)
+        # Imported once here, not per request (bench/minrelay.py imports no proxy code at its top).
+        self.packed_key = packed_key
+        self.completion_token_ids = completion_token_ids
 
     async def post(self, pool: _Pool, path: bytes, body: bytes) -> tuple[int, bytes]:
-        from proxy.dataplane import completion_token_ids
-        from proxy.hotpath import packed_key
-
-        key = packed_key(self.split, body)
+        key = self.packed_key(self.split, body)
         assert key is not None, "floor-min-routed relays token-id prompts only"
         in_flight = self.in_flight
         decision = self.router.route(key, [(i, float(n)) for i, n in enumerate(in_flight)])
@@ -115,7 +117,7 @@ class _Routed:
             status, answer = await pool.post(self.backends[replica], path, body)
         finally:
             in_flight[replica] -= 1
-        generated = completion_token_ids(answer)
+        generated = self.completion_token_ids(answer)
         if status == 200 and generated is not None:
             self.router.record_completion(key, decision, generated)
         return status, answer
