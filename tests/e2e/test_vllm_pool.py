@@ -67,9 +67,15 @@ async def test_streamed_completion_arrives_chunk_by_chunk(vllm_pair: VllmPair) -
         await reply.close()
         events = [e for e in b"".join(chunks).decode().split("\n\n") if e.strip()]
         assert events[-1] == "data: [DONE]"
-        assert len(events) >= 3 and len(chunks) >= 2  # vLLM streams token by token
-        text = "".join(json.loads(e[len("data: ") :])["choices"][0]["text"] for e in events[:-1])
-        assert text  # the generated tokens, in order
+        # vLLM sends a token per event when its API server keeps up, and coalesces the tokens
+        # the engine produced meanwhile into one event when it does not (CI, 2026-12-02: all 12
+        # in one event on a loaded machine). What the pool must show is every token and [DONE]
+        # whatever the framing; piece-by-piece delivery is timed against fakes in
+        # tests/integration/test_pool.py (test_chunked_stream_arrives_in_pieces).
+        choices = [json.loads(e[len("data: ") :])["choices"][0] for e in events[:-1]]
+        assert choices, events
+        assert sum(len(c["token_ids"]) for c in choices) == 12
+        assert "".join(c["text"] for c in choices)  # the generated text, in order
         # a stream read to its end leaves the connection reusable
         again = await pool.post(
             0, vllm_pair.urls[1], "/v1/completions", body(rng), HEADERS, stream=False
