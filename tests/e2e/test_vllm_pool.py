@@ -54,7 +54,7 @@ async def test_buffered_completion_and_keep_alive(vllm_pair: VllmPair) -> None:
         await pool.aclose()
 
 
-async def test_streamed_completion_arrives_chunk_by_chunk(vllm_pair: VllmPair) -> None:
+async def test_streamed_completion_carries_every_token_then_done(vllm_pair: VllmPair) -> None:
     rng = random.Random("pool-stream")
     pool = make_pool()
     try:
