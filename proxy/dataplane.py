@@ -225,7 +225,8 @@ class DataPlane:
             if stream and status == 200:
                 routed = sent_at - started
                 return RelayedStream(self, route, replica, reply, request_id, sent_at, routed)
-            await reply.close()
+            if not reply.released:  # (the lean pool's buffered replies are: no coroutine to run)
+                await reply.close()
             upstream_s = time.perf_counter() - sent_at
             replica.in_flight -= 1
             label = str(index)
