@@ -15,6 +15,7 @@ with three parser callbacks taken over for ``POST /v1/completions`` and
 the same guard as ever, the body is collected under the same limit, and one task runs
 ``DataPath.respond`` (guard -> parse -> route -> relay, proxy/hotpath.py) and writes the answer
 straight to the transport: one write for a buffered answer, chunked framing for a stream.
+uvicorn's ASGI scope is built only for the requests that go its way (``on_message_begin``).
 Everything else -- other routes, a query string, ``Expect: 100-continue``, an upgrade, a request
 pipelined behind another -- goes to uvicorn unchanged, and so to FastAPI (or ``ProxyApp``'s own
 ASGI data path, which answers exactly the same). ``PROXY_HOT_PATH=asgi`` turns this off.
@@ -173,7 +174,8 @@ class FrontProtocol(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         self.idle_deadline = None
-        self.flow.resume_reading()
+        if self.flow.read_paused:  # (resume_reading checks it too; a call less per request)
+            self.flow.resume_reading()
         if self.pipeline:
             cycle, app = self.pipeline.pop()
             self._start_asgi_task(cycle, app)

@@ -113,6 +113,7 @@ class Connection(asyncio.Protocol):
 
     def __init__(self, pool: LeanPool, origin: Origin) -> None:
         self.pool = pool
+        self.loop = pool.loop  # (the pool's is a property: read per request otherwise)
         self.origin = origin
         self.transport: asyncio.Transport | None = None
         self.reply: LeanReply | None = None
@@ -139,7 +140,7 @@ class Connection(asyncio.Protocol):
             self.abort()
             return
         reply.received = True
-        reply.last_data = self.pool.loop.time()
+        reply.last_data = self.loop.time()
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -266,7 +267,7 @@ class LeanReply:
         self._waiter: asyncio.Future[None] | None = None
         # Silence is measured from here until the answer is complete or failed (the pool's
         # watchdog looks at every connection's reply in flight).
-        self.last_data = pool.loop.time()
+        self.last_data = conn.loop.time()
 
     @property
     def what(self) -> str:
@@ -372,7 +373,7 @@ class LeanPool:
             self.ssl = ssl.create_default_context()
         else:
             self.ssl = ssl_context
-        self.fixed = b"".join(_header_line(k, v) for k, v in fixed_headers.items())
+        self.fixed = _header_lines(fixed_headers)
         self.origins: dict[str, Origin] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self.closing = False
@@ -437,7 +438,7 @@ class LeanPool:
         head = b"".join(
             (
                 origin.request_line(path),
-                *[_header_line(k, v) for k, v in headers.items()],
+                _header_lines(headers),
                 b"content-length: %d\r\n\r\n" % len(content),
             )
         )
@@ -473,7 +474,7 @@ class LeanPool:
                 while not (reply.headers_done if stream else reply.complete):
                     if reply.error is not None:
                         raise reply.error
-                    waiter = reply._waiter = self.loop.create_future()
+                    waiter = reply._waiter = conn.loop.create_future()
                     await waiter
             except BaseException as exc:
                 # Failed or cancelled (the client left): this connection's state is unknown.
@@ -559,8 +560,14 @@ def _what(replica: int, path: str) -> str:
     return f"replica {replica} POST {path}"
 
 
-def _header_line(name: str, value: str) -> bytes:
-    line = f"{name}: {value}\r\n"
-    if line.count("\n") != 1 or "\r" in line[:-2]:
-        raise ValueError(f"header {name!r} contains a line break")
-    return line.encode("latin-1")
+def _header_lines(headers: Mapping[str, str]) -> bytes:
+    """``headers`` as request header lines, built, checked and encoded as one string rather
+    than line by line (the data plane sends two per request, one of them its X-Request-Id): a
+    CR or LF inside a name or value would add one to the counts, which must be one per line."""
+    text = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
+    if text.count("\n") != len(headers) or text.count("\r") != len(headers):
+        broken = [
+            name for name, value in headers.items() if "\r" in name + value or "\n" in name + value
+        ]
+        raise ValueError(f"header {broken[0]!r} contains a line break")
+    return text.encode("latin-1")
