@@ -35,6 +35,7 @@ class _InstantReply:
     """What the lean client returns for a buffered answer (proxy/pool.py's LeanReply)."""
 
     __slots__ = ("body", "headers", "status")
+    released = True  # as the lean pool's buffered replies: close() has nothing to do
 
     def __init__(self) -> None:
         self.status = 200

@@ -69,8 +69,10 @@ def _relay_headers(reply: Reply, replica: int, request_id: str) -> list[tuple[by
 
 
 _RELAYED = tuple((name, name.encode("latin-1")) for name in RELAYED_HEADERS)
-# x-proxy-replica's value for the first 64 replica indices, encoded once.
+# x-proxy-replica's value and the metrics' replica label for the first 64 replica indices, made
+# once.
 _REPLICA_LABELS = [b"%d" % i for i in range(64)]
+_LABELS = [str(i) for i in range(64)]
 
 
 _TOKEN_IDS = b'"token_ids"'
@@ -225,13 +227,10 @@ class DataPlane:
             if stream and status == 200:
                 routed = sent_at - started
                 return RelayedStream(self, route, replica, reply, request_id, sent_at, routed)
-            await reply.close()
+            if not reply.released:  # (the lean pool's buffered replies are: no coroutine to run)
+                await reply.close()
             upstream_s = time.perf_counter() - sent_at
             replica.in_flight -= 1
-            label = str(index)
-            metrics = self.metrics
-            metrics.observe_upstream(route, label, upstream_s)
-            metrics.count_request(route, label, status)
             if (
                 status == 200
                 and key.tokens is not None
@@ -262,7 +261,10 @@ class DataPlane:
                     },
                 )
             result = RelayedBody(reply, index, request_id, self.guard)
-            metrics.observe_proxy(route, time.perf_counter() - started - upstream_s)
+            proxy_s = time.perf_counter() - started - upstream_s
+            self.metrics.answered(
+                route, _LABELS[index] if index < 64 else str(index), status, upstream_s, proxy_s
+            )
             return result
 
     def _remember_completion(
@@ -279,11 +281,11 @@ class DataPlane:
             log.debug("could not index a completion: %s", exc)
 
     def stream_finished(self, stream: RelayedStream) -> None:
-        label = str(stream.replica.index)
         stream.replica.in_flight -= 1
-        self.metrics.observe_upstream(stream.route, label, time.perf_counter() - stream.sent_at)
-        self.metrics.count_request(stream.route, label, stream.reply.status)
-        self.metrics.observe_proxy(stream.route, stream.routed)
+        upstream_s = time.perf_counter() - stream.sent_at
+        self.metrics.answered(
+            stream.route, str(stream.replica.index), stream.reply.status, upstream_s, stream.routed
+        )
 
 
 class RelayedBody(Response):

@@ -15,6 +15,7 @@ with three parser callbacks taken over for ``POST /v1/completions`` and
 the same guard as ever, the body is collected under the same limit, and one task runs
 ``DataPath.respond`` (guard -> parse -> route -> relay, proxy/hotpath.py) and writes the answer
 straight to the transport: one write for a buffered answer, chunked framing for a stream.
+uvicorn's ASGI scope is built only for the requests that go its way (``on_message_begin``).
 Everything else -- other routes, a query string, ``Expect: 100-continue``, an upgrade, a request
 pipelined behind another -- goes to uvicorn unchanged, and so to FastAPI (or ``ProxyApp``'s own
 ASGI data path, which answers exactly the same). ``PROXY_HOT_PATH=asgi`` turns this off.
@@ -150,6 +151,11 @@ class FrontProtocol(HttpToolsProtocol):
         # being read or answered. Replaces uvicorn's per-request timer (module docstring).
         self.idle_deadline: float | None = None
         self.idle_sweep: IdleSweep | None = None
+        # uvicorn's default headers (date, server) as the bytes of an answer's head, and the
+        # list they were joined from: uvicorn replaces that list when the date changes (once a
+        # second), so a connection joins them at most once a second, not once per answer.
+        self.defaults_from: list[tuple[bytes, bytes]] | None = None
+        self.defaults_head = b""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -168,7 +174,8 @@ class FrontProtocol(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         self.idle_deadline = None
-        self.flow.resume_reading()
+        if self.flow.read_paused:  # (resume_reading checks it too; a call less per request)
+            self.flow.resume_reading()
         if self.pipeline:
             cycle, app = self.pipeline.pop()
             self._start_asgi_task(cycle, app)
@@ -179,6 +186,22 @@ class FrontProtocol(HttpToolsProtocol):
             sweep.arm()
 
     # -- parser callbacks --------------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        """uvicorn's, less the ASGI scope: uvicorn builds it here (two dicts and a copy of the
+        app's state per request), and a completion reads five of its keys. It is built once the
+        request line is known: uvicorn's own for every other request (``_asgi_scope``), a small
+        one for a completion."""
+        self.url = b""
+        self.expect_100_continue = False
+        self.headers = []
+
+    def _asgi_scope(self) -> None:
+        """The scope uvicorn's ``on_message_begin`` builds, around what was read since."""
+        url, expect, headers = self.url, self.expect_100_continue, self.headers
+        super().on_message_begin()
+        self.url, self.expect_100_continue, self.headers = url, expect, headers
+        self.scope["headers"] = headers
 
     def on_headers_complete(self) -> None:
         route = HOT_URLS.get(self.url)
@@ -193,17 +216,21 @@ class FrontProtocol(HttpToolsProtocol):
             or parser.should_upgrade()
         ):
             self.reading_hot = False
+            self._asgi_scope()
             super().on_headers_complete()
             return
         self.reading_hot = True
-        scope: dict[str, Any] = self.scope  # type: ignore[assignment]
         version = parser.get_http_version()
-        scope["method"] = "POST"
-        if version != "1.1":
-            scope["http_version"] = version
-        scope["path"] = self.url.decode("ascii")
-        scope["raw_path"] = self.url
-        scope["query_string"] = b""
+        scope: dict[str, Any] = {
+            "type": "http",
+            "http_version": version,
+            "method": "POST",
+            "path": self.url.decode("ascii"),
+            "raw_path": self.url,
+            "query_string": b"",
+            "headers": self.headers,
+        }
+        self.scope = scope  # type: ignore[assignment]
         hot = self.hot = _Hot(route, scope, version != "1.0" and parser.should_keep_alive())
         problem = self.data_path.guard.check_data_route_head(scope)
         if problem is None:
@@ -290,9 +317,11 @@ class FrontProtocol(HttpToolsProtocol):
             self._finish(hot)
 
     def _head(self, hot: _Hot, status: int, headers: list[tuple[bytes, bytes]]) -> list[bytes]:
-        parts = [STATUS_LINES.get(status) or _status_line(status)]
-        for name, value in self.server_state.default_headers:
-            parts += (name, b": ", value, b"\r\n")
+        defaults = self.server_state.default_headers
+        if defaults is not self.defaults_from:
+            self.defaults_from = defaults
+            self.defaults_head = b"".join(b"%s: %s\r\n" % pair for pair in defaults)
+        parts = [STATUS_LINES.get(status) or _status_line(status), self.defaults_head]
         for name, value in headers:
             parts += (name, b": ", value, b"\r\n")
         if not hot.keep_alive:
@@ -359,6 +388,7 @@ class FrontProtocol(HttpToolsProtocol):
 # What FrontProtocol relies on in uvicorn's protocol (checked before it is used, so a uvicorn
 # that changed them serves everything through ASGI instead of misbehaving).
 UVICORN_HOOKS = (
+    "on_message_begin",
     "on_headers_complete",
     "on_body",
     "on_message_complete",

@@ -294,6 +294,15 @@ class Metrics:
     def observe_proxy(self, route: str, seconds: float) -> None:
         self.proxy_seconds.observe((route,), seconds)
 
+    def answered(
+        self, route: str, replica: str, status: int, upstream_s: float, proxy_s: float
+    ) -> None:
+        """``count_request``, ``observe_upstream`` and ``observe_proxy`` for one relayed answer
+        in one call: the data path tallies every completion this way, three frames fewer."""
+        self.requests.inc((route, replica, status_label(status)))
+        self.upstream_seconds.observe((route, replica), upstream_s)
+        self.proxy_seconds.observe((route,), proxy_s)
+
     def count_decision(self, outcome: str, matched_blocks: int) -> None:
         self.decisions.inc((outcome,))
         self.matched_blocks.observe((), matched_blocks)

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from typing import cast
 from urllib.parse import urlsplit
 
@@ -113,6 +113,7 @@ class Connection(asyncio.Protocol):
 
     def __init__(self, pool: LeanPool, origin: Origin) -> None:
         self.pool = pool
+        self.loop = pool.loop  # (the pool's is a property: read per request otherwise)
         self.origin = origin
         self.transport: asyncio.Transport | None = None
         self.reply: LeanReply | None = None
@@ -139,7 +140,7 @@ class Connection(asyncio.Protocol):
             self.abort()
             return
         reply.received = True
-        reply.last_data = self.pool.loop.time()
+        reply.last_data = self.loop.time()
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -148,6 +149,7 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self.pool.conns.discard(self)
         reply = self.reply
         if reply is not None and not reply.complete:
             reply.on_connection_lost()
@@ -193,7 +195,6 @@ class Connection(asyncio.Protocol):
         assert reply is not None
         reply.complete = True
         reply.keep_alive = self.parser.should_keep_alive()
-        reply._unwatch()
         if not reply.stream:
             chunks = reply._chunks
             reply.body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
@@ -236,6 +237,7 @@ class LeanReply:
         "last_data",
         "pool",
         "received",
+        "released",
         "replica",
         "request_path",
         "status",
@@ -260,10 +262,12 @@ class LeanReply:
         self.complete = False
         self.keep_alive = False
         self.received = False
+        self.released = False  # close() has nothing left to do (the data plane skips it)
         self.error: BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
-        self.last_data = pool.loop.time()
-        pool.watch(self)
+        # Silence is measured from here until the answer is complete or failed (the pool's
+        # watchdog looks at every connection's reply in flight).
+        self.last_data = conn.loop.time()
 
     @property
     def what(self) -> str:
@@ -286,7 +290,6 @@ class LeanReply:
     def fail(self, error: BaseException) -> None:
         if self.error is None and not self.complete:
             self.error = error
-        self._unwatch()
         self._wake()
 
     def time_out(self) -> None:
@@ -297,9 +300,6 @@ class LeanReply:
             )
         )
         self.conn.abort()
-
-    def _unwatch(self) -> None:
-        self.pool.active.discard(self)
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -337,11 +337,11 @@ class LeanReply:
 
     def release(self) -> None:
         """Give the connection back (reusable only after a complete, keep-alive answer)."""
+        self.released = True
         conn = self.conn
         if conn.reply is not self:
             return
         conn.reply = None
-        self._unwatch()
         if self.complete and self.keep_alive and not conn.closed and not conn.garbled:
             conn.resume()
             self.pool.keep(conn)
@@ -373,15 +373,18 @@ class LeanPool:
             self.ssl = ssl.create_default_context()
         else:
             self.ssl = ssl_context
-        self.fixed = b"".join(_header_line(k, v) for k, v in fixed_headers.items())
+        self.fixed = _header_lines(fixed_headers)
         self.origins: dict[str, Origin] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self.closing = False
         # Read timeouts: one watchdog for every reply in flight rather than a timer each (a
         # timer armed and cancelled per request cost ~5 us with asyncio's loop). It looks every
         # quarter of the timeout, at most every second, so silence is cut off between
-        # read_timeout and read_timeout + that period (900 s + 1 s by default).
-        self.active: set[LeanReply] = set()
+        # read_timeout and read_timeout + that period (900 s + 1 s by default). It walks the
+        # open connections (registered once each, when opened) rather than a set of replies that
+        # every request would join and leave: a few hundred connections a second cost less
+        # than an add and a discard per request.
+        self.conns: set[Connection] = set()
         self.watch_every = min(1.0, read_timeout / 4)
         self._watchdog: asyncio.TimerHandle | None = None
 
@@ -391,22 +394,24 @@ class LeanPool:
             self._loop = asyncio.get_running_loop()
         return self._loop
 
-    def watch(self, reply: LeanReply) -> None:
-        self.active.add(reply)
-        if self._watchdog is None:
+    def _arm_watchdog(self) -> None:
+        if self._watchdog is None and not self.closing:
             self._watchdog = self.loop.call_later(self.watch_every, self._look_for_silence)
 
     def _look_for_silence(self) -> None:
         self._watchdog = None
         now = self.loop.time()
-        for reply in list(self.active):
-            if reply.conn.paused:
+        for conn in list(self.conns):
+            reply = conn.reply
+            if reply is None or reply.complete or reply.error is not None:
+                continue  # idle, or its answer is in (or failed): nothing to wait for
+            if conn.paused:
                 # The client is the slow side: the replica is waiting on us, not silent.
                 reply.last_data = now
             elif now - reply.last_data >= self.read_timeout:
                 reply.time_out()
-        if self.active:
-            self._watchdog = self.loop.call_later(self.watch_every, self._look_for_silence)
+        if self.conns:
+            self._arm_watchdog()
 
     def origin(self, base_url: str) -> Origin:
         origin = self.origins.get(base_url)
@@ -414,7 +419,7 @@ class LeanPool:
             origin = self.origins[base_url] = Origin(base_url, self.ssl, self.fixed)
         return origin
 
-    async def post(
+    def post(
         self,
         replica: int,
         base_url: str,
@@ -422,58 +427,73 @@ class LeanPool:
         content: bytes,
         headers: Mapping[str, str],
         stream: bool,
-    ) -> LeanReply:
-        """Send ``POST path`` with ``content``; return once the status and headers arrived
-        (``stream``) or the whole body did. The caller must ``close()`` the reply."""
+    ) -> Coroutine[None, None, LeanReply]:
+        """Send ``POST path`` with ``content``; the awaited reply is returned once the status
+        and headers arrived (``stream``) or the whole body did. The caller must ``close()`` the
+        reply (a no-op, ``released``, for a buffered one).
+
+        Not a coroutine itself: it returns ``_exchange``'s, so that a request runs one coroutine
+        frame in the pool rather than two (every resumption of a request walks its frames)."""
         origin = self.origin(base_url)
         head = b"".join(
             (
                 origin.request_line(path),
-                *[_header_line(k, v) for k, v in headers.items()],
+                _header_lines(headers),
                 b"content-length: %d\r\n\r\n" % len(content),
             )
         )
-        conn = self._idle(origin)
-        if conn is not None:
-            try:
-                return await self._exchange(conn, head, content, stream, replica, path)
-            except _Lost:
-                pass  # the replica closed it as we reused it: once more, on a new connection
-        conn = await self._connect(origin, replica, path)
-        try:
-            return await self._exchange(conn, head, content, stream, replica, path)
-        except _Lost:
-            raise ReplicaBroken(
-                f"{_what(replica, path)}: the replica closed the connection before answering"
-            ) from None
+        return self._exchange(origin, self._idle(origin), head, content, stream, replica, path)
 
     async def _exchange(
-        self, conn: Connection, head: bytes, content: bytes, stream: bool, replica: int, path: str
+        self,
+        origin: Origin,
+        conn: Connection | None,
+        head: bytes,
+        content: bytes,
+        stream: bool,
+        replica: int,
+        path: str,
     ) -> LeanReply:
-        reply = LeanReply(self, conn, stream, replica, path)
-        conn.reply = reply
-        assert conn.transport is not None
-        if len(content) < JOIN_BELOW:
-            conn.transport.write(head + content)
-        else:
-            conn.transport.write(head)
-            conn.transport.write(content)
-        # The wait is written out here rather than through until_headers / until_complete and
-        # _wait: two coroutine frames less per request, on every request.
-        try:
-            while not (reply.headers_done if stream else reply.complete):
-                if reply.error is not None:
-                    raise reply.error
-                waiter = reply._waiter = self.loop.create_future()
-                await waiter
-        except BaseException:
-            # Failed or cancelled (the client left): this connection's state is unknown.
-            reply.release()
-            conn.abort()
-            raise
-        if not stream:
-            reply.release()
-        return reply
+        """One request on ``conn`` (an idle connection, or None: a new one), and once more on a
+        new connection when a reused one turns out closed by the replica before answering."""
+        fresh = conn is None
+        if conn is None:
+            conn = await self._connect(origin, replica, path)
+        while True:
+            reply = LeanReply(self, conn, stream, replica, path)
+            conn.reply = reply
+            assert conn.transport is not None
+            if len(content) < JOIN_BELOW:
+                conn.transport.write(head + content)
+            else:
+                conn.transport.write(head)
+                conn.transport.write(content)
+            # The wait is written out here rather than through until_headers / until_complete
+            # and _wait: two coroutine frames less per request, on every request.
+            try:
+                while not (reply.headers_done if stream else reply.complete):
+                    if reply.error is not None:
+                        raise reply.error
+                    waiter = reply._waiter = conn.loop.create_future()
+                    await waiter
+            except BaseException as exc:
+                # Failed or cancelled (the client left): this connection's state is unknown.
+                reply.release()
+                conn.abort()
+                if not isinstance(exc, _Lost):
+                    raise
+                if fresh:
+                    raise ReplicaBroken(
+                        f"{_what(replica, path)}: the replica closed the connection before "
+                        "answering"
+                    ) from None
+                fresh = True
+            else:
+                if not stream:
+                    reply.release()
+                return reply
+            # The replica closed it as we reused it: once more, on a new connection.
+            conn = await self._connect(origin, replica, path)
 
     def _idle(self, origin: Origin) -> Connection | None:
         idle = origin.idle
@@ -518,6 +538,9 @@ class LeanPool:
             raise ReplicaUnreachable(f"{what}: ConnectTimeout") from exc
         except OSError as exc:
             raise ReplicaUnreachable(f"{what}: {type(exc).__name__}") from exc
+        if not conn.closed:  # (lost already: nothing to watch)
+            self.conns.add(conn)
+            self._arm_watchdog()
         return conn
 
     async def start(self) -> None:
@@ -537,8 +560,14 @@ def _what(replica: int, path: str) -> str:
     return f"replica {replica} POST {path}"
 
 
-def _header_line(name: str, value: str) -> bytes:
-    line = f"{name}: {value}\r\n"
-    if line.count("\n") != 1 or "\r" in line[:-2]:
-        raise ValueError(f"header {name!r} contains a line break")
-    return line.encode("latin-1")
+def _header_lines(headers: Mapping[str, str]) -> bytes:
+    """``headers`` as request header lines, built, checked and encoded as one string rather
+    than line by line (the data plane sends two per request, one of them its X-Request-Id): a
+    CR or LF inside a name or value would add one to the counts, which must be one per line."""
+    text = "".join([f"{name}: {value}\r\n" for name, value in headers.items()])
+    if text.count("\n") != len(headers) or text.count("\r") != len(headers):
+        broken = [
+            name for name, value in headers.items() if "\r" in name + value or "\n" in name + value
+        ]
+        raise ValueError(f"header {broken[0]!r} contains a line break")
+    return text.encode("latin-1")

@@ -18,7 +18,7 @@ sent but broken (``ReplicaBroken``), or silent too long (``UpstreamTimeout``).
 from __future__ import annotations
 
 import ssl
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from typing import Protocol
 
 import aiohttp
@@ -38,6 +38,9 @@ KEEPALIVE_S = 60.0
 class Reply(Protocol):
     status: int
     body: bytes  # empty for a streamed reply
+    # True once ``close()`` has nothing left to do (the lean pool's buffered replies give their
+    # connection back as soon as the body is in): the data plane then skips awaiting it.
+    released: bool
 
     @property
     def headers(self) -> Mapping[str, str]: ...
@@ -50,7 +53,8 @@ class Reply(Protocol):
 class Relay(Protocol):
     async def start(self) -> None: ...
 
-    async def post(
+    # A coroutine function, or (the lean pool) a function that returns its coroutine.
+    def post(
         self,
         replica: int,
         base_url: str,
@@ -58,7 +62,7 @@ class Relay(Protocol):
         content: bytes,
         headers: Mapping[str, str],
         stream: bool,
-    ) -> Reply: ...
+    ) -> Awaitable[Reply]: ...
 
     async def aclose(self) -> None: ...
 
@@ -68,6 +72,7 @@ class Relay(Protocol):
 
 class _AiohttpReply:
     __slots__ = ("_response", "body", "headers", "status")
+    released = False
 
     def __init__(self, response: aiohttp.ClientResponse, body: bytes) -> None:
         self._response = response
@@ -154,6 +159,7 @@ class AiohttpRelay:
 
 class _HttpxReply:
     __slots__ = ("_response", "body", "headers", "status")
+    released = False
 
     def __init__(self, response: httpx.Response, body: bytes) -> None:
         self._response = response

@@ -58,22 +58,34 @@ class Guard:
         bad = path_problem(path, scope.get("raw_path"))
         if bad is not None:
             return InvalidRequest(bad)
-        return self._check_key_and_length(scope, path, classify(path))
+        return self._check_key_and_length(
+            path, classify(path), header(scope, b"authorization"), header(scope, b"content-length")
+        )
 
     def check_data_route_head(self, scope: Scope) -> ProxyError | None:
         """``check_head`` for a request whose path the caller matched exactly against one of
         the proxy's own canonical data-plane routes (proxy/front.py's completions): the path
-        checks are known to pass, the plane is DATA; the rest is checked alike, in order."""
+        checks are known to pass, the plane is DATA; the rest is checked alike, in order. The
+        two headers it reads are picked up by the one pass that sizes the headers (the first
+        of each, as ``header`` finds them), not by two more walks over them."""
         size = len(scope["raw_path"])
+        authorization = declared = None
         for k, v in scope["headers"]:
             size += len(k) + len(v) + 4
+            if k == b"content-length":
+                if declared is None:
+                    declared = v
+            elif k == b"authorization" and authorization is None:
+                authorization = v
         if size > self.max_header_bytes:
             return self.check_head(scope)  # the same 431, said the same way
-        return self._check_key_and_length(scope, scope["path"], Plane.DATA)
+        return self._check_key_and_length(scope["path"], Plane.DATA, authorization, declared)
 
-    def _check_key_and_length(self, scope: Scope, path: str, plane: Plane) -> ProxyError | None:
+    def _check_key_and_length(
+        self, path: str, plane: Plane, authorization: bytes | None, declared: bytes | None
+    ) -> ProxyError | None:
         if plane is not Plane.OPEN and self.keys.enabled:
-            raw = header(scope, b"authorization")
+            raw = authorization
             role = self.keys.role(credential_from(raw.decode("latin-1") if raw else None))
             if role is None:
                 return Unauthorized(
@@ -84,7 +96,6 @@ class Guard:
                 return Forbidden(
                     f"{path} is a control-plane endpoint: it needs a key from PROXY_ADMIN_KEYS"
                 )
-        declared = header(scope, b"content-length")
         if declared is not None:
             if not declared.isdigit():
                 return InvalidRequest("Content-Length must be a non-negative integer")

@@ -393,3 +393,20 @@ async def test_bytes_after_a_complete_answer_retire_the_connection() -> None:
         assert (second.status, second.body) == (200, b"from connection 2")
         assert server.connections == 2
         await pool.aclose()
+
+
+@pytest.mark.parametrize(
+    "bad", [{"x-request-id": "a\r\nx-evil: 1"}, {"x-request-id": "a\nb"}, {"x\ry": "v"}]
+)
+async def test_a_header_with_a_line_break_is_refused(
+    fake: ServerThread, bad: dict[str, str]
+) -> None:
+    """No header can smuggle a second header or a second request into the upstream stream,
+    per request or fixed; well-formed ones around it go through."""
+    pool = make_pool()
+    with pytest.raises(ValueError, match="line break"):
+        await pool.post(0, fake.url, "/v1/completions", BODY, {**HEADERS, **bad}, stream=False)
+    with pytest.raises(ValueError, match="line break"):
+        LeanPool(connect_timeout=1, read_timeout=1, ssl_context=True, fixed_headers=bad)
+    reply = await pool.post(0, fake.url, "/v1/completions", BODY, HEADERS, stream=False)
+    assert reply.status == 200
