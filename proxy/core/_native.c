@@ -1,7 +1,7 @@
 /*
  * proxy.core._native: the per-request work of a token-id completion, outside the interpreter.
  *
- * Six functions, each with a pure-Python reference that stays the specification
+ * Seven functions, each with a pure-Python reference that stays the specification
  * (proxy/core/extract.py + proxy/hotpath.py's parse, proxy/core/hashing.py's _chain and
  * FastHasher.extend, proxy/core/prefix_index.py's record and reach, proxy/core/router.py's
  * Router.route with proxy/core/policy.py's policies) and that tests compare against on random
@@ -35,6 +35,10 @@
  *   route_tokens(index, policy, kind, tokens, block_size, seed, loads, capacity, decision)
  *       Router.route for a token-id prompt in one call: the functions above plus the index's
  *       lookup and the cost / prefix policy's arithmetic (see its section below).
+ *
+ *   learn_tokens(index, tokens, completion, block_size, blocks, replica) -> True | None
+ *       Router.record_completion for a token-id prompt in one call (extend_chain, lookup,
+ *       record).
  *
  * The body is untrusted: every read is bounds-checked against its length, nothing recurses
  * (nested values are skipped with a depth counter), and the scan is one forward pass.
@@ -477,6 +481,22 @@ done:
     return result;
 }
 
+/* Packs `count` Python ints into out as uint32; 0 when one is not an int in 0..2**32-1 (the
+ * reference then packs 64-bit ids, or raises). */
+static int pack_ids(PyObject **items, Py_ssize_t count, uint32_t *out) {
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (!PyLong_CheckExact(items[i])) return 0;
+        unsigned long long id = PyLong_AsUnsignedLongLong(items[i]);
+        if (id == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return 0;
+        }
+        if (id > MAX_TOKEN_ID) return 0;
+        out[i] = (uint32_t)id;
+    }
+    return 1;
+}
+
 /* A chain continued past a prompt's last full block (FastHasher.extend_tail, the reference:
  * FastHasher.extend over list(prompt[start:]) + list(completion)): the ids prompt[start:]
  * (prompt an array('I') or any buffer of native uint32) then the completion's ints, packed
@@ -520,17 +540,7 @@ static PyObject *extend_chain(PyObject *self, PyObject *const *args, Py_ssize_t 
         goto done;
     }
     if (tail) memcpy(ids, (const char *)view.buf + start * 4, (size_t)tail * 4);
-    PyObject **items = PySequence_Fast_ITEMS(completion);
-    for (Py_ssize_t i = 0; i < generated; i++) {
-        if (!PyLong_CheckExact(items[i])) goto fallback;
-        unsigned long long id = PyLong_AsUnsignedLongLong(items[i]);
-        if (id == (unsigned long long)-1 && PyErr_Occurred()) {
-            PyErr_Clear();
-            goto fallback;
-        }
-        if (id > MAX_TOKEN_ID) goto fallback;
-        ids[tail + i] = (uint32_t)id;
-    }
+    if (!pack_ids(PySequence_Fast_ITEMS(completion), generated, ids + tail)) goto fallback;
     result = chained_keys((const char *)ids, total / block_size, (size_t)block_size * 4, parent);
     goto done;
 fallback:
@@ -826,6 +836,29 @@ typedef struct {
     Py_ssize_t half;
 } Gens;
 
+/* How many replicas the index's C path takes: min(index.max_replicas, MAX_WALK_REPLICAS);
+ * -1 on error. */
+static long replica_limit(PyObject *index) {
+    PyObject *max_replicas_obj = PyObject_GetAttr(index, s_max_replicas);
+    if (max_replicas_obj == NULL) return -1;
+    long max_replicas = PyLong_AsLong(max_replicas_obj);
+    Py_DECREF(max_replicas_obj);
+    if (max_replicas == -1 && PyErr_Occurred()) return -1;
+    return max_replicas > MAX_WALK_REPLICAS ? MAX_WALK_REPLICAS : max_replicas;
+}
+
+/* Reads the index's two generations into g (new references, released by the caller). */
+static int gens_open(Gens *g) {
+    g->young = PyObject_GetAttr(g->index, s_young);
+    g->old = g->young ? PyObject_GetAttr(g->index, s_old) : NULL;
+    if (g->old == NULL) return -1;
+    if (!PyDict_CheckExact(g->young) || !PyDict_CheckExact(g->old)) {
+        PyErr_SetString(PyExc_TypeError, "the index's generations must be dicts");
+        return -1;
+    }
+    return 0;
+}
+
 /* PrefixIndex._put's (and record's) turn: evictions += len(old); old = young; young = {}. */
 static int gens_turn(Gens *g) {
     PyObject *evictions = PyObject_GetAttr(g->index, s_evictions);
@@ -1005,12 +1038,8 @@ static PyObject *route_tokens(PyObject *self, PyObject *const *args, Py_ssize_t 
     if (loads == NULL) return NULL;
     Py_ssize_t n_cands = PySequence_Fast_GET_SIZE(loads);
     if (n_cands < 1 || n_cands > 64) goto fallback;
-    PyObject *max_replicas_obj = PyObject_GetAttr(index, s_max_replicas);
-    if (max_replicas_obj == NULL) goto done;
-    long max_replicas = PyLong_AsLong(max_replicas_obj);
-    Py_DECREF(max_replicas_obj);
-    if (max_replicas == -1 && PyErr_Occurred()) goto done;
-    if (max_replicas > MAX_WALK_REPLICAS) max_replicas = MAX_WALK_REPLICAS;
+    long max_replicas = replica_limit(index);
+    if (max_replicas < 0) goto done;
     PyObject **load_items = PySequence_Fast_ITEMS(loads);
     uint64_t eligible = 0;
     for (Py_ssize_t i = 0; i < n_cands; i++) {
@@ -1098,13 +1127,7 @@ static PyObject *route_tokens(PyObject *self, PyObject *const *args, Py_ssize_t 
     PyObject **keys = &PyTuple_GET_ITEM(blocks, 0);
 
     /* -- values = self.index.lookup(blocks) -- */
-    g.young = PyObject_GetAttr(index, s_young);
-    g.old = g.young ? PyObject_GetAttr(index, s_old) : NULL;
-    if (g.old == NULL) goto done;
-    if (!PyDict_CheckExact(g.young) || !PyDict_CheckExact(g.old)) {
-        PyErr_SetString(PyExc_TypeError, "the index's generations must be dicts");
-        goto done;
-    }
+    if (gens_open(&g) < 0) goto done;
     Py_ssize_t k = gens_lookup(&g, keys, n, values);
     if (k < 0) goto done;
 
@@ -1188,6 +1211,133 @@ done:
     return result;
 }
 
+/* ---------------------------------------------------------------------------------------------
+ * learn_tokens: Router.record_completion's token-id case in one call (router.py, the reference).
+ *
+ *   learn_tokens(index, tokens, completion, block_size, blocks, replica) -> True | None
+ *
+ * `tokens` an array('I') prompt whose full blocks are `blocks` (a Decision's block keys, a
+ * tuple), `completion` the generated ids. As the reference: the chain continued from the
+ * prompt's last block through its tail and the completion (extend_chain), then
+ * index.lookup([last, *more]); found: index.record of that chain with what was found; not
+ * (the index was cleared since routing): index.record(blocks + more) from a fresh lookup.
+ * Returns None, having changed nothing, where the reference must decide: a prompt with no full
+ * block or whose blocks do not match it, ids that are not uint32, a replica outside
+ * 0..min(index.max_replicas, MAX_WALK_REPLICAS)-1, or a chain longer than half the index.
+ * ------------------------------------------------------------------------------------------- */
+static PyObject *learn_tokens(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError,
+                        "learn_tokens(index, tokens, completion, block_size, blocks, replica)");
+        return NULL;
+    }
+    PyObject *index = args[0], *blocks = args[4], *replica_obj = args[5];
+    Py_ssize_t block_size = PyLong_AsSsize_t(args[3]);
+    if (block_size == -1 && PyErr_Occurred()) return NULL;
+    if (block_size < 1) {
+        PyErr_SetString(PyExc_ValueError, "block_size must be >= 1");
+        return NULL;
+    }
+    PyObject *completion = PySequence_Fast(args[2], "completion must be a sequence");
+    if (completion == NULL) return NULL;
+    PyObject *result = NULL, **keys = NULL;
+    Py_ssize_t n_keys = 0;
+    uint64_t *key_values = NULL;
+    uint32_t *ids = NULL;
+    Gens g = {index, NULL, NULL, 0};
+    Py_buffer view;
+    view.obj = NULL;
+    if (!PyTuple_CheckExact(blocks) || !PyLong_CheckExact(replica_obj)) goto fallback;
+    long replica = PyLong_AsLong(replica_obj);
+    if (replica == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        goto fallback;
+    }
+    long max_replicas = replica_limit(index);
+    if (max_replicas < 0) goto done;
+    if (replica < 0 || replica >= max_replicas) goto fallback;
+    if (PyObject_GetBuffer(args[1], &view, PyBUF_ND | PyBUF_FORMAT) < 0) goto done;
+    if (view.itemsize != 4 || view.format == NULL || strcmp(view.format, "I") != 0) goto fallback;
+    Py_ssize_t prompt_len = view.len / 4;
+    Py_ssize_t full = prompt_len / block_size, n_blocks = PyTuple_GET_SIZE(blocks);
+    /* if full and len(decision.blocks) == full: */
+    if (full == 0 || n_blocks != full) goto fallback;
+    PyObject *half_obj = PyObject_GetAttr(index, s_half);
+    if (half_obj == NULL) goto done;
+    g.half = PyLong_AsSsize_t(half_obj);
+    Py_DECREF(half_obj);
+    if (g.half == -1 && PyErr_Occurred()) goto done;
+
+    /* more = extend_tail(last, key.tokens, full * bs, completion): extend_chain's packing */
+    Py_ssize_t tail = prompt_len - full * block_size;
+    Py_ssize_t generated = PySequence_Fast_GET_SIZE(completion);
+    Py_ssize_t total = tail + generated;
+    Py_ssize_t n_more = total / block_size;
+    if (n_blocks + n_more > g.half) goto fallback; /* record's one-by-one path: the reference */
+    ids = PyMem_Malloc((size_t)(total ? total : 1) * sizeof(uint32_t));
+    n_keys = n_blocks + n_more;
+    key_values = PyMem_Malloc((size_t)(2 * n_keys) * sizeof(uint64_t));
+    keys = PyMem_Calloc((size_t)n_keys, sizeof(PyObject *));
+    if (ids == NULL || key_values == NULL || keys == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    uint64_t *values = key_values + n_keys;
+    if (tail) memcpy(ids, (const char *)view.buf + full * block_size * 4, (size_t)tail * 4);
+    if (!pack_ids(PySequence_Fast_ITEMS(completion), generated, ids + tail)) goto fallback;
+    for (Py_ssize_t b = 0; b < n_blocks; b++) {
+        PyObject *key = PyTuple_GET_ITEM(blocks, b);
+        if (!PyLong_CheckExact(key)) goto fallback;
+        unsigned long long v = PyLong_AsUnsignedLongLong(key);
+        if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            goto fallback;
+        }
+        key_values[b] = v;
+        keys[b] = Py_NewRef(key);
+    }
+    XXH64_hash_t h = (XXH64_hash_t)key_values[n_blocks - 1];
+    size_t step = (size_t)block_size * 4;
+    for (Py_ssize_t b = 0; b < n_more; b++) {
+        h = XXH3_64bits_withSeed((const char *)ids + (size_t)b * step, step, h);
+        key_values[n_blocks + b] = h;
+        keys[n_blocks + b] = PyLong_FromUnsignedLongLong(h);
+        if (keys[n_blocks + b] == NULL) goto done;
+    }
+
+    if (gens_open(&g) < 0) goto done;
+    uint64_t holder = (1ull << replica) << HOLDERS_SHIFT;
+    /* keys = [last, *more]; known = self.index.lookup(keys) */
+    PyObject **chain_keys = keys + n_blocks - 1;
+    uint64_t *chain_values = key_values + n_blocks - 1;
+    Py_ssize_t k = gens_lookup(&g, chain_keys, 1 + n_more, values);
+    if (k < 0) goto done;
+    if (k > 0) {
+        /* self.index.record(keys, decision.replica, known) */
+        if (gens_record(&g, chain_keys, chain_values, 1 + n_more, values, k, holder) < 0)
+            goto done;
+    } else {
+        /* self.index.record(list(decision.blocks) + more, decision.replica): looked up first */
+        k = gens_lookup(&g, keys, n_keys, values);
+        if (k < 0 || gens_record(&g, keys, key_values, n_keys, values, k, holder) < 0) goto done;
+    }
+    result = Py_NewRef(Py_True);
+    goto done;
+fallback:
+    result = Py_NewRef(Py_None);
+done:
+    if (view.obj != NULL) PyBuffer_Release(&view);
+    if (keys != NULL)
+        for (Py_ssize_t i = 0; i < n_keys; i++) Py_XDECREF(keys[i]);
+    PyMem_Free(keys);
+    PyMem_Free(key_values);
+    PyMem_Free(ids);
+    Py_XDECREF(g.young);
+    Py_XDECREF(g.old);
+    Py_DECREF(completion);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"split_prompt", split_prompt, METH_O,
      "split_prompt(body) -> (array('I') ids, body with the prompt replaced by 0) or None"},
@@ -1202,6 +1352,9 @@ static PyMethodDef methods[] = {
     {"route_tokens", (PyCFunction)(void (*)(void))route_tokens, METH_FASTCALL,
      "route_tokens(index, policy, kind, tokens, block_size, seed, loads, capacity, decision) "
      "-> Decision or None: Router.route's token-id case"},
+    {"learn_tokens", (PyCFunction)(void (*)(void))learn_tokens, METH_FASTCALL,
+     "learn_tokens(index, tokens, completion, block_size, blocks, replica) -> True or None: "
+     "Router.record_completion's token-id case"},
     {NULL, NULL, 0, NULL},
 };
 

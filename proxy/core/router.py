@@ -74,6 +74,7 @@ class Router:
         self.index = index
         self._use_native = use_native
         self._route_tokens: Callable[..., Decision | None] | None = None
+        self._learn_tokens: Callable[..., bool | None] | None = None
         self._native_kind = 0
         self.policy = policy
         # Chain seeds by namespace fields (model, adapter path, cache salt, epoch), for the C
@@ -98,7 +99,7 @@ class Router:
     @policy.setter
     def policy(self, policy: Policy) -> None:
         self._policy = policy
-        self._route_tokens = None
+        self._route_tokens = self._learn_tokens = None
         kind = _NATIVE_POLICY_KINDS.get(type(policy))
         if kind == 0 and type(policy.model) is not CostModel:  # type: ignore[attr-defined]
             kind = None  # a subclassed model may price differently: the reference decides
@@ -118,6 +119,7 @@ class Router:
                 f"{CONCURRENCY_MEMORY_DECISIONS}: rebuild the extension (make setup)"
             )
         self._route_tokens = module.route_tokens
+        self._learn_tokens = module.learn_tokens
         self._native_kind = kind
 
     @property
@@ -260,7 +262,26 @@ class Router:
         A multi-turn rollout's next prompt is ``prompt + completion + tool output``; without
         this the continuation matches only the original prompt, and a request that was frozen
         by a cache-clearing pause and finished afterwards would not be remembered at all
-        (bench/README.md measured most of the proxy's lost hits in these two cases)."""
+        (bench/README.md measured most of the proxy's lost hits in these two cases).
+
+        A token-id prompt is learned in one call into the C extension where ``route`` is
+        (_native.c's ``learn_tokens``: the same chain, lookup and record as below)."""
+        learn_tokens = self._learn_tokens
+        tokens = key.tokens
+        if (
+            learn_tokens is not None
+            and tokens.__class__ is array
+            and completion
+            and learn_tokens(
+                self.index,
+                tokens,
+                completion,
+                self.hasher.block_size,
+                decision.blocks,
+                decision.replica,
+            )
+        ):
+            return
         if key.tokens is None or not completion or not self.policy.uses_prefix:
             return
         bs = self.block_size

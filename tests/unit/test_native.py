@@ -413,18 +413,19 @@ def recorded_workload(seed: int = 11, groups: int = 12) -> list[tuple[bytes, lis
 
 
 class Spied:
-    """A router's one-call route (route_tokens), counting the decisions it made itself."""
+    """A router's one-call route or learning (route_tokens, learn_tokens), counting the calls
+    it answered itself (not None)."""
 
-    def __init__(self, router: Router) -> None:
-        assert router._route_tokens is not None, "the C route is not enabled"
-        self.call = router._route_tokens
+    def __init__(self, router: Router, name: str) -> None:
+        self.call = getattr(router, name)
+        assert self.call is not None, f"{name} is not enabled"
         self.decided = 0
-        router._route_tokens = self
+        setattr(router, name, self)
 
     def __call__(self, *args: Any) -> Any:
-        decision = self.call(*args)
-        self.decided += decision is not None
-        return decision
+        answer = self.call(*args)
+        self.decided += answer is not None
+        return answer
 
 
 def policy_state(router: Router) -> Any:
@@ -452,6 +453,7 @@ def test_routing_decisions_are_identical_on_a_recorded_workload(
     """The whole routing, Python (the reference) and native (split_prompt, C hashing, index and
     the one-call route), fed one workload: per request the same decision and afterwards the
     same index (completions learned, generations turned: a small index), policy state included.
+    The native router routes and learns every request in one C call each (counted).
     Loads drift up and are drained in steps (ties when they meet, own-wait and projected
     memory terms on small caches); a model is purged mid-run and a replica forgotten."""
     decisions: dict[bool, list[tuple[int, str, int, tuple[int, ...]]]] = {}
@@ -459,7 +461,7 @@ def test_routing_decisions_are_identical_on_a_recorded_workload(
     for use_native in (False, True):
         index = PrefixIndex(600, use_native=use_native)
         router = Router(FastHasher(16, use_native), index, make_policy(policy, 8), use_native)
-        spy = Spied(router) if use_native else None
+        spies = [Spied(router, name) for name in ("_route_tokens", "_learn_tokens") if use_native]
         size = CAPACITIES[capacity]
         if size is not None:
             router.kv_capacity_tokens = {r: abs(size) for r in range(replicas)}
@@ -485,8 +487,8 @@ def test_routing_decisions_are_identical_on_a_recorded_workload(
             )
         decisions[use_native] = seen
         states[use_native] = index_state(index), policy_state(router)
-        if spy is not None:
-            assert spy.decided == len(seen)  # the C route decided every one of them
+        for spy in spies:
+            assert spy.decided == len(seen)  # the C route and learning took every one of them
     assert decisions[True] == decisions[False]
     assert states[True] == states[False]  # learned completions included
     assert {d[1] for d in decisions[True]} >= {"affinity"}

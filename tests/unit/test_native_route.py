@@ -222,3 +222,44 @@ def test_a_lookup_that_promotes_into_a_full_young_generation_turns_it_as_the_ref
         )
         assert index_state(native.index) == index_state(reference.index)
     assert native.index.evictions == 2  # C's dropped by the promotion's turn, A2 by record's
+
+
+def test_a_completion_learned_after_the_index_was_cleared_is_recorded_whole() -> None:
+    """record_completion's second branch (the prompt's last block unknown: a pause cleared the
+    index between routing and the answer) records prompt + completion from scratch, in C as
+    in the reference; and completions it declines (none, or a prompt shorter than a block)
+    leave both alike too."""
+    reference, native = twins("cost", 1000, 16)
+    long = RoutingKey("m", array("I", [9] * (3 * BLOCK + 5)), None, None, False, 1)
+    short = RoutingKey("m", array("I", [9] * (BLOCK - 1)), None, None, False, 1)
+    sizes = []
+    for key, completion in ((long, [1] * 70), (short, [2] * 40), (long, [])):
+        for router in (reference, native):
+            decision = router.route(key, [(0, 0), (1, 0)])
+            router.purge_all()
+            router.record_completion(key, decision, completion)
+        assert index_state(native.index) == index_state(reference.index)
+        sizes.append(len(native.index))
+    # 3 prompt blocks + 2 of tail and completion; 2 of the short prompt's ids + completion; none
+    assert sizes == [5, 2, 0]
+
+
+def test_learning_declines_what_the_reference_must_decide() -> None:
+    _, native = twins("cost", 1000, 16)
+    key = key_of(0, [], "m0", None)
+    decision = native.route(key, [(0, 0)])
+    learn = _native.learn_tokens
+    index, tokens = native.index, key.tokens
+    before = index_state(index)
+    for completion, blocks, replica in (
+        ([2**32], decision.blocks, 0),  # an id beyond uint32
+        ([-1], decision.blocks, 0),
+        ([1.0], decision.blocks, 0),
+        ([1], decision.blocks[:-1], 0),  # blocks that are not the prompt's
+        ([1], list(decision.blocks), 0),  # not a tuple
+        ([1], decision.blocks, 16),  # a replica beyond max_replicas
+    ):
+        assert learn(index, tokens, completion, BLOCK, blocks, replica) is None
+    assert learn(index, array("i", tokens), [1], BLOCK, decision.blocks, 0) is None  # signed
+    assert index_state(index) == before
+    assert learn(index, tokens, [1] * 40, BLOCK, decision.blocks, 0) is True
