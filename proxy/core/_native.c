@@ -834,6 +834,7 @@ typedef struct {
     PyObject *index; /* borrowed */
     PyObject *young, *old;
     Py_ssize_t half;
+    int turns; /* generation turns made through this struct */
 } Gens;
 
 /* How many replicas the index's C path takes: min(index.max_replicas, MAX_WALK_REPLICAS);
@@ -880,6 +881,7 @@ static int gens_turn(Gens *g) {
     }
     Py_SETREF(g->old, g->young);
     g->young = fresh;
+    g->turns++;
     return 0;
 }
 
@@ -931,11 +933,17 @@ static Py_ssize_t gens_lookup(Gens *g, PyObject **keys, Py_ssize_t n, uint64_t *
  * young cannot take the chain, then record_chain's values. */
 static int gens_record(Gens *g, PyObject **keys, const uint64_t *key_values, Py_ssize_t n,
                        const uint64_t *known, Py_ssize_t k, uint64_t holder) {
+    /* Known blocks sit in young (found there or promoted by the lookup) unless a turn since
+     * the lookup began moved them to old: only then must an unchanged value be written again.
+     * Otherwise an unchanged value is not stored (the reference stores an equal int in place:
+     * same dict, same order), the common case of a prompt sent again where it is held. */
     if (PyDict_GET_SIZE(g->young) + n > g->half && gens_turn(g) < 0) return -1;
+    int turned = g->turns > 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         int last = (i == n - 1);
         uint64_t next_fp = last ? 0 : (key_values[i + 1] & FP_MASK);
         uint64_t value = chain_value(i < k ? known[i] : 0, i < k, last, next_fp, holder);
+        if (i < k && !turned && value == known[i]) continue;
         if (set_value(g->young, keys[i], value) < 0) return -1;
     }
     return 0;
@@ -1023,7 +1031,7 @@ static PyObject *route_tokens(PyObject *self, PyObject *const *args, Py_ssize_t 
     if (seed == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
 
     PyObject *result = NULL, *loads = NULL, *blocks = NULL, *model = NULL, *replica_obj = NULL;
-    Gens g = {index, NULL, NULL, 0};
+    Gens g = {index, NULL, NULL, 0, 0};
     uint64_t *key_values = NULL;
     Py_buffer view;
     view.obj = NULL;
@@ -1244,7 +1252,7 @@ static PyObject *learn_tokens(PyObject *self, PyObject *const *args, Py_ssize_t 
     Py_ssize_t n_keys = 0;
     uint64_t *key_values = NULL;
     uint32_t *ids = NULL;
-    Gens g = {index, NULL, NULL, 0};
+    Gens g = {index, NULL, NULL, 0, 0};
     Py_buffer view;
     view.obj = NULL;
     if (!PyTuple_CheckExact(blocks) || !PyLong_CheckExact(replica_obj)) goto fallback;
