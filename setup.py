@@ -17,6 +17,9 @@ setup(
             sources=["proxy/core/_native.c"],
             depends=["proxy/core/vendor/xxhash.h"],
             optional=True,
+            # Floats computed as Python computes them (route_tokens mirrors CostModel.cost):
+            # no fused multiply-add, which would round differently and break ties.
+            extra_compile_args=["-ffp-contract=off"],
         )
     ]
 )

@@ -1,10 +1,11 @@
 /*
  * proxy.core._native: the per-request work of a token-id completion, outside the interpreter.
  *
- * Five functions, each with a pure-Python reference that stays the specification
+ * Seven functions, each with a pure-Python reference that stays the specification
  * (proxy/core/extract.py + proxy/hotpath.py's parse, proxy/core/hashing.py's _chain and
- * FastHasher.extend, proxy/core/prefix_index.py's record and reach) and that
- * tests compare against on random and adversarial input (tests/unit/test_native.py):
+ * FastHasher.extend, proxy/core/prefix_index.py's record and reach, proxy/core/router.py's
+ * Router.route with proxy/core/policy.py's policies) and that tests compare against on random
+ * and adversarial input (tests/unit/test_native.py, tests/unit/test_native_route.py):
  *
  *   split_prompt(body) -> (array('I') ids, rest) | None
  *       Finds the top-level "prompt" of a JSON object and, when it is a non-empty array of
@@ -31,6 +32,14 @@
  *       A chain continued through a packed prompt's tail and a completion's ids
  *       (FastHasher.extend over the concatenated ids), packed without a Python list.
  *
+ *   route_tokens(index, policy, kind, tokens, block_size, seed, loads, capacity, decision)
+ *       Router.route for a token-id prompt in one call: the functions above plus the index's
+ *       lookup and the cost / prefix policy's arithmetic (see its section below).
+ *
+ *   learn_tokens(index, tokens, completion, block_size, blocks, replica) -> True | None
+ *       Router.record_completion for a token-id prompt in one call (extend_chain, lookup,
+ *       record).
+ *
  * The body is untrusted: every read is bounds-checked against its length, nothing recurses
  * (nested values are skipped with a depth counter), and the scan is one forward pass.
  *
@@ -44,6 +53,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <math.h>
 #include <string.h>
 
 #define XXH_INLINE_ALL
@@ -301,6 +311,22 @@ static int set_value(PyObject *young, PyObject *key, unsigned long long value) {
     return rc;
 }
 
+/* The value block i of a recorded chain gets (the reference's _updated for a known block, its
+ * fresh link otherwise): `value` what lookup found (ignored when !known), `last` whether it is
+ * the chain's last block, `next_fp` the next block's 16-bit fingerprint. */
+static unsigned long long chain_value(unsigned long long value, int known, int last,
+                                      unsigned long long next_fp, unsigned long long holder) {
+    if (!known) return last ? (holder | REQUEST_END) : (holder | HAS_CHILD | (next_fp << FP_SHIFT));
+    value |= holder;
+    if (last)
+        value |= REQUEST_END;
+    else if (!(value & HAS_CHILD))
+        value |= HAS_CHILD | (next_fp << FP_SHIFT);
+    else if (((value >> FP_SHIFT) & FP_MASK) != next_fp)
+        value |= BRANCHING;
+    return value;
+}
+
 static PyObject *record_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 4 || !PyDict_Check(args[0])) {
         PyErr_SetString(PyExc_TypeError, "record_chain(young: dict, keys, known, holder)");
@@ -331,21 +357,13 @@ static PyObject *record_chain(PyObject *self, PyObject *const *args, Py_ssize_t 
             if (next == (unsigned long long)-1 && PyErr_Occurred()) goto done;
             next_fp = next & FP_MASK;
         }
-        unsigned long long value;
+        unsigned long long value = 0;
         if (i < k) {
             value = PyLong_AsUnsignedLongLong(known_items[i]);
             if (value == (unsigned long long)-1 && PyErr_Occurred()) goto done;
-            value |= holder;
-            if (last)
-                value |= REQUEST_END;
-            else if (!(value & HAS_CHILD))
-                value |= HAS_CHILD | (next_fp << FP_SHIFT);
-            else if (((value >> FP_SHIFT) & FP_MASK) != next_fp)
-                value |= BRANCHING;
-        } else {
-            value = last ? (holder | REQUEST_END) : (holder | HAS_CHILD | (next_fp << FP_SHIFT));
         }
-        if (set_value(young, key_items[i], value) < 0) goto done;
+        if (set_value(young, key_items[i], chain_value(value, i < k, last, next_fp, holder)) < 0)
+            goto done;
     }
     result = Py_NewRef(Py_None);
 done:
@@ -363,6 +381,37 @@ done:
  * anything that is not an int (the reference then raises or computes with Python ints). */
 #define HOLDERS_SHIFT 19
 #define MAX_WALK_REPLICAS (64 - HOLDERS_SHIFT)
+
+/* One pass of the walk, block by block: reach_of[r] (blocks held by r from block 0 on; n for
+ * those holding all n) is set as replicas drop out; the deepest block every eligible replica
+ * holds and the deepest branching one give the common depth. */
+typedef struct {
+    uint64_t eligible, alive;
+    Py_ssize_t deepest_full, deepest_branch;
+} Walk;
+
+static void walk_start(Walk *w, uint64_t eligible, Py_ssize_t n, Py_ssize_t *reach_of) {
+    for (int r = 0; r < MAX_WALK_REPLICAS; r++) reach_of[r] = n;
+    w->eligible = w->alive = eligible;
+    w->deepest_full = w->deepest_branch = -1;
+}
+
+static inline void walk_step(Walk *w, Py_ssize_t d, uint64_t v, Py_ssize_t *reach_of) {
+    uint64_t held = (v >> HOLDERS_SHIFT) & w->eligible;
+    if (held == w->eligible) w->deepest_full = d;
+    if ((v & (BRANCHING | REQUEST_END)) == BRANCHING) w->deepest_branch = d;
+    uint64_t dropped = w->alive & ~held;
+    while (dropped) {
+        int r = __builtin_ctzll(dropped);
+        reach_of[r] = d;
+        dropped &= dropped - 1;
+    }
+    w->alive &= held;
+}
+
+static Py_ssize_t walk_common(const Walk *w) {
+    return w->deepest_full > w->deepest_branch ? w->deepest_full + 1 : w->deepest_branch + 1;
+}
 
 static PyObject *prefix_walk(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 3) {
@@ -398,11 +447,9 @@ static PyObject *prefix_walk(PyObject *self, PyObject *const *args, Py_ssize_t n
         indices[i] = r;
         eligible |= 1ull << r;
     }
-    /* reach_of[r]: blocks held by r from block 0 on; n for those holding all of them */
     Py_ssize_t reach_of[MAX_WALK_REPLICAS];
-    for (int r = 0; r < MAX_WALK_REPLICAS; r++) reach_of[r] = n;
-    Py_ssize_t deepest_full = -1, deepest_branch = -1;
-    uint64_t alive = eligible;
+    Walk walk;
+    walk_start(&walk, eligible, n, reach_of);
     for (Py_ssize_t d = 0; d < n; d++) {
         if (!PyLong_CheckExact(value_items[d])) goto fallback;
         unsigned long long v = PyLong_AsUnsignedLongLong(value_items[d]);
@@ -410,18 +457,9 @@ static PyObject *prefix_walk(PyObject *self, PyObject *const *args, Py_ssize_t n
             PyErr_Clear();
             goto fallback;
         }
-        uint64_t held = (v >> HOLDERS_SHIFT) & eligible;
-        if (held == eligible) deepest_full = d;
-        if ((v & (BRANCHING | REQUEST_END)) == BRANCHING) deepest_branch = d;
-        uint64_t dropped = alive & ~held;
-        while (dropped) {
-            int r = __builtin_ctzll(dropped);
-            reach_of[r] = d;
-            dropped &= dropped - 1;
-        }
-        alive &= held;
+        walk_step(&walk, d, v, reach_of);
     }
-    Py_ssize_t common = deepest_full > deepest_branch ? deepest_full + 1 : deepest_branch + 1;
+    Py_ssize_t common = walk_common(&walk);
     reach = PyDict_New();
     if (reach == NULL) goto done;
     for (Py_ssize_t i = 0; i < r_count; i++) {
@@ -441,6 +479,22 @@ done:
     Py_DECREF(values);
     Py_DECREF(replicas);
     return result;
+}
+
+/* Packs `count` Python ints into out as uint32; 0 when one is not an int in 0..2**32-1 (the
+ * reference then packs 64-bit ids, or raises). */
+static int pack_ids(PyObject **items, Py_ssize_t count, uint32_t *out) {
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (!PyLong_CheckExact(items[i])) return 0;
+        unsigned long long id = PyLong_AsUnsignedLongLong(items[i]);
+        if (id == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return 0;
+        }
+        if (id > MAX_TOKEN_ID) return 0;
+        out[i] = (uint32_t)id;
+    }
+    return 1;
 }
 
 /* A chain continued past a prompt's last full block (FastHasher.extend_tail, the reference:
@@ -486,17 +540,7 @@ static PyObject *extend_chain(PyObject *self, PyObject *const *args, Py_ssize_t 
         goto done;
     }
     if (tail) memcpy(ids, (const char *)view.buf + start * 4, (size_t)tail * 4);
-    PyObject **items = PySequence_Fast_ITEMS(completion);
-    for (Py_ssize_t i = 0; i < generated; i++) {
-        if (!PyLong_CheckExact(items[i])) goto fallback;
-        unsigned long long id = PyLong_AsUnsignedLongLong(items[i]);
-        if (id == (unsigned long long)-1 && PyErr_Occurred()) {
-            PyErr_Clear();
-            goto fallback;
-        }
-        if (id > MAX_TOKEN_ID) goto fallback;
-        ids[tail + i] = (uint32_t)id;
-    }
+    if (!pack_ids(PySequence_Fast_ITEMS(completion), generated, ids + tail)) goto fallback;
     result = chained_keys((const char *)ids, total / block_size, (size_t)block_size * 4, parent);
     goto done;
 fallback:
@@ -504,6 +548,800 @@ fallback:
 done:
     PyMem_Free(ids);
     PyBuffer_Release(&view);
+    Py_DECREF(completion);
+    return result;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * route_tokens: Router.route's common case in one call (proxy/core/router.py, the reference).
+ *
+ *   route_tokens(index, policy, kind, tokens, block_size, seed, loads, capacity, decision)
+ *       -> Decision | None
+ *
+ * A token-id prompt (`tokens`: any buffer of fixed-width ids, an array('I') in the proxy) under
+ * a prefix policy (`kind` 0: CostBased, 1: PrefixAffinity), no KV-event view, FastHasher's
+ * chain (`seed`: the namespace's), PrefixIndex's storage (`index._young` / `._old`, the
+ * dicts both paths read and write). In order, as the reference does it:
+ *   hasher.hash_tokens -> index.lookup (promotions and generation turns included) ->
+ *   index.reach over the matchable blocks -> the candidates -> policy.choose (its arithmetic
+ *   in cost_choose / prefix_choose below, its state read from and written back to `policy`)
+ *   -> index.record of the chosen replica -> Decision(replica, outcome, matched, blocks).
+ * Returns None, having changed nothing, where the reference must decide: no loads, more than
+ * 64, a load entry that is not a (small int, int or integral float below 2**40) tuple, a
+ * replica outside 0..min(index.max_replicas, MAX_WALK_REPLICAS)-1, a capacity that is not a
+ * 64-bit int, policy state or model constants that are not plain numbers, a chain longer than
+ * half the index (record's one-by-one path), or a buffer that is not whole ids. Integral loads
+ * keep every load sum exact, so the order of additions cannot differ from Python's.
+ * ------------------------------------------------------------------------------------------- */
+
+/* policy.CONCURRENCY_MEMORY_DECISIONS; Router checks the module's copy against it. */
+#define CONCURRENCY_MEMORY_DECISIONS 1024
+
+static PyObject *s_young, *s_old, *s_half, *s_evictions, *s_max_replicas, *s_concurrency,
+    *s_turn, *s_model, *s_prefill, *s_decode_seq, *s_output, *s_step_base, *s_imbalance,
+    *s_replica, *s_outcome, *s_matched_blocks, *s_blocks, *s_affinity, *s_spilled, *s_unmatched,
+    *empty_tuple;
+
+/* One eligible replica as the policy sees it (policy.py's Candidate). */
+typedef struct {
+    double load;         /* Candidate.load (integral, |load| < 2**40) */
+    long long matched;   /* Candidate.matched */
+    long long new_tokens;
+    long long prompt;    /* Candidate.prompt_tokens */
+    long long capacity;  /* Candidate.kv_capacity_tokens */
+} Cand;
+
+/* CostModel's fields (policy.py). */
+typedef struct {
+    double prefill, decode_seq, output, step_base;
+} Model;
+
+/* _RoundRobinTies._pick over the candidates whose index is in tied[0..count): the only one, or
+ * the next in turn (the turn advances only on a real tie). */
+static Py_ssize_t pick_tied(const Py_ssize_t *tied, Py_ssize_t count, long long *turn) {
+    if (count == 1) return tied[0];
+    *turn += 1;
+    long long at = *turn % count;
+    if (at < 0) at += count; /* Python's % of a negative turn */
+    return tied[at];
+}
+
+/* CostModel.cost, line by line (policy.py). Every operation is the reference's, in its order,
+ * on doubles (-ffp-contract=off in setup.py: no fused multiply-add), so equal inputs give the
+ * reference's bits. Python int operands are exact in a double here (< 2**53). */
+static double model_cost(const Model *m, const Cand *c, long long duplicate_tokens,
+                         double projected_waiting) {
+    /* load = candidate.load if candidate.load > 0.0 else 0.0 */
+    double load = c->load > 0.0 ? c->load : 0.0;
+    /* new_tokens = candidate.new_tokens if candidate.new_tokens > 0 else 0 */
+    long long new_tokens = c->new_tokens > 0 ? c->new_tokens : 0;
+    /* output = self.expected_output_tokens */
+    double output = m->output;
+    /* cost = new_tokens * self.prefill_s_per_token * (1.0 + load) */
+    double cost = (double)new_tokens * m->prefill * (1.0 + load);
+    /* cost += 2.0 * load * output * self.decode_s_per_seq_step */
+    cost += 2.0 * load * output * m->decode_seq;
+    /* capacity = candidate.kv_capacity_tokens; if capacity > 0: */
+    long long capacity = c->capacity;
+    if (capacity > 0) {
+        /* slots = capacity / (max(candidate.prompt_tokens, 0) + output) */
+        double slots = (double)capacity / ((double)(c->prompt > 0 ? c->prompt : 0) + output);
+        /* now = (load + 1.0 - slots) * (new_tokens + output) */
+        double now = (load + 1.0 - slots) * ((double)new_tokens + output);
+        /* projected = projected_waiting * duplicate_tokens */
+        double projected = projected_waiting * (double)duplicate_tokens;
+        /* blocked = max(now, projected) */
+        double blocked = projected > now ? projected : now;
+        /* if blocked > 0.0: */
+        if (blocked > 0.0) {
+            /* hold_s = output * (self.decode_step_base_s + self.decode_s_per_seq_step * slots) */
+            double hold_s = output * (m->step_base + m->decode_seq * slots);
+            /* cost += blocked / capacity * hold_s */
+            cost += blocked / (double)capacity * hold_s;
+        }
+    }
+    return cost;
+}
+
+/* CostModel.slots: capacity / (max(prompt_tokens, 0) + expected_output_tokens) */
+static double model_slots(const Model *m, const Cand *c) {
+    double context = (double)(c->prompt > 0 ? c->prompt : 0) + m->output;
+    return (double)c->capacity / context;
+}
+
+/* CostModel.hold_seconds: output * (decode_step_base_s + decode_s_per_seq_step * slots) */
+static double model_hold_seconds(const Model *m, double slots) {
+    return m->output * (m->step_base + m->decode_seq * slots);
+}
+
+/* sum() of floats as this CPython computes it (the reference's `sum(waits)`): from 3.12 on,
+ * Neumaier-compensated; before, left to right. The start 0 + waits[0] is waits[0]. */
+static double python_float_sum(const double *x, Py_ssize_t n) {
+    if (n == 0) return 0.0;
+    double f = 0.0 + x[0];
+#if PY_VERSION_HEX >= 0x030C0000
+    double c = 0.0;
+    for (Py_ssize_t i = 1; i < n; i++) {
+        double t = f + x[i];
+        if (fabs(f) >= fabs(x[i]))
+            c += (f - t) + x[i];
+        else
+            c += (x[i] - t) + f;
+        f = t;
+    }
+    if (c && isfinite(c)) f += c;
+#else
+    for (Py_ssize_t i = 1; i < n; i++) f += x[i];
+#endif
+    return f;
+}
+
+/* CostBased.choose (policy.py), the index of the candidate picked. `costs`, `tied`: scratch of
+ * n entries. Reads and writes the policy's learned concurrency and tie turn. Each block below
+ * is the method named in its comment, with the reference's lines quoted where they compute. */
+static Py_ssize_t cost_choose(const Model *m, const Cand *cands, Py_ssize_t n, double *costs,
+                              Py_ssize_t *tied, double *concurrency, long long *turn) {
+    /* -- _projected_excess(candidates) -- */
+    /* in_flight = 1.0 + sum(c.load for c in candidates if c.load > 0.0)  (exact: integral) */
+    double loads = 0.0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (cands[i].load > 0.0) loads += cands[i].load;
+    double in_flight = 1.0 + loads;
+    /* decayed = self.concurrency * (1.0 - 1.0 / CONCURRENCY_MEMORY_DECISIONS) */
+    double decayed = *concurrency * (1.0 - 1.0 / CONCURRENCY_MEMORY_DECISIONS);
+    /* self.concurrency = max(in_flight, decayed) */
+    *concurrency = decayed > in_flight ? decayed : in_flight;
+    double excess = 0.0;
+    long long fleet_capacity = 0;
+    int capacities_known = 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        /* if c.kv_capacity_tokens <= 0: return 0.0, 0 */
+        if (cands[i].capacity <= 0) {
+            capacities_known = 0;
+            fleet_capacity = 0;
+            break;
+        }
+        fleet_capacity += cands[i].capacity;
+    }
+    if (capacities_known) {
+        /* context = max(candidates[0].prompt_tokens, 0) + self.model.expected_output_tokens */
+        double context = (double)(cands[0].prompt > 0 ? cands[0].prompt : 0) + m->output;
+        /* return self.concurrency - fleet_capacity / context, fleet_capacity */
+        excess = *concurrency - (double)fleet_capacity / context;
+    }
+
+    /* -- choose -- */
+    /* fewest_new = min(max(c.new_tokens, 0) for c in candidates) if excess > 0.0 else 0 */
+    long long fewest_new = 0;
+    if (excess > 0.0) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            long long nt = cands[i].new_tokens > 0 ? cands[i].new_tokens : 0;
+            if (i == 0 || nt < fewest_new) fewest_new = nt;
+        }
+    }
+    /* if excess > 0.0 and self._holder_has_room(candidates, fewest_new): */
+    int room = 0;
+    if (excess > 0.0) {
+        /* -- _holder_has_room -- */
+        for (Py_ssize_t i = 0; i < n && !room; i++) {
+            const Cand *c = &cands[i];
+            /* max(c.new_tokens, 0) == fewest_new and max(c.load, 0.0) + 1.0 <= slots(c) */
+            long long nt = c->new_tokens > 0 ? c->new_tokens : 0;
+            if (nt == fewest_new && (c->load > 0.0 ? c->load : 0.0) + 1.0 <= model_slots(m, c))
+                room = 1;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const Cand *c = &cands[i];
+        if (room)
+            /* cost(c, duplicate_tokens=max(c.new_tokens, 0) - fewest_new,
+             *      projected_waiting=excess * c.kv_capacity_tokens / fleet_capacity) */
+            costs[i] = model_cost(m, c, (c->new_tokens > 0 ? c->new_tokens : 0) - fewest_new,
+                                  excess * (double)c->capacity / (double)fleet_capacity);
+        else
+            costs[i] = model_cost(m, c, 0, 0.0); /* self.model.cost(c) */
+    }
+
+    /* -- _own_wait_beyond_fleet -- ; costs = [cost + wait ...] when it is not None */
+    int own_wait = 1;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (cands[i].capacity <= 0) own_wait = 0; /* unknown capacity: return None */
+    if (own_wait) {
+        double waits[64], holds[64];
+        for (Py_ssize_t i = 0; i < n; i++) {
+            const Cand *c = &cands[i];
+            double slots = model_slots(m, c);              /* slots = model.slots(c) */
+            double hold_s = model_hold_seconds(m, slots);  /* hold_s = model.hold_seconds(slots) */
+            /* queued = max(c.load, 0.0) + 1.0 - slots */
+            double queued = (c->load > 0.0 ? c->load : 0.0) + 1.0 - slots;
+            /* waits.append(queued * hold_s / slots if queued > 0.0 else 0.0) */
+            waits[i] = queued > 0.0 ? queued * hold_s / slots : 0.0;
+            holds[i] = hold_s;
+        }
+        /* mean = sum(waits) / len(waits); if mean <= 0.0: return None */
+        double mean = python_float_sum(waits, n) / (double)n;
+        if (mean > 0.0) {
+            for (Py_ssize_t i = 0; i < n; i++) {
+                /* beyond = wait - mean - hold_s; b if b > 0.0 else 0.0 */
+                double beyond = waits[i] - mean - holds[i];
+                costs[i] = costs[i] + (beyond > 0.0 ? beyond : 0.0);
+            }
+        }
+    }
+    /* low = min(costs) */
+    double low = costs[0];
+    for (Py_ssize_t i = 1; i < n; i++)
+        if (costs[i] < low) low = costs[i];
+    /* pick = self._pick([c for c, cost in zip(candidates, costs) if cost == low]) */
+    Py_ssize_t count = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (costs[i] == low) tied[count++] = i;
+    return pick_tied(tied, count, turn);
+}
+
+/* _RoundRobinTies._least_loaded over the candidates indexed by among[0..count). */
+static Py_ssize_t least_loaded(const Cand *cands, const Py_ssize_t *among, Py_ssize_t count,
+                               Py_ssize_t *tied, long long *turn) {
+    /* low = min(c.load for c in candidates) */
+    double low = cands[among[0]].load;
+    for (Py_ssize_t i = 1; i < count; i++)
+        if (cands[among[i]].load < low) low = cands[among[i]].load;
+    /* return self._pick([c for c in candidates if c.load == low]) */
+    Py_ssize_t tied_count = 0;
+    for (Py_ssize_t i = 0; i < count; i++)
+        if (cands[among[i]].load == low) tied[tied_count++] = among[i];
+    return pick_tied(tied, tied_count, turn);
+}
+
+/* PrefixAffinity.choose (policy.py): the index picked; *affinity set when its outcome is
+ * "affinity" (then matched is best_match), else the caller derives spilled / unmatched. */
+static Py_ssize_t prefix_choose(const Cand *cands, Py_ssize_t n, double imbalance,
+                                Py_ssize_t *scratch, Py_ssize_t *tied, long long *turn,
+                                int *affinity) {
+    *affinity = 0;
+    /* best_match = max(c.matched for c in candidates) */
+    long long best_match = cands[0].matched;
+    for (Py_ssize_t i = 1; i < n; i++)
+        if (cands[i].matched > best_match) best_match = cands[i].matched;
+    Py_ssize_t all[64];
+    for (Py_ssize_t i = 0; i < n; i++) all[i] = i;
+    if (best_match > 0) {
+        /* matching = [c for c in candidates if c.matched == best_match] */
+        Py_ssize_t count = 0;
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (cands[i].matched == best_match) scratch[count++] = i;
+        /* best = self._least_loaded(matching) */
+        Py_ssize_t best = least_loaded(cands, scratch, count, tied, turn);
+        /* floor = min(c.load for c in candidates) */
+        double floor = cands[0].load;
+        for (Py_ssize_t i = 1; i < n; i++)
+            if (cands[i].load < floor) floor = cands[i].load;
+        /* if best.load - floor <= self.imbalance: affinity */
+        if (cands[best].load - floor <= imbalance) {
+            *affinity = 1;
+            return best;
+        }
+        /* spill = self._least_loaded(candidates) */
+        return least_loaded(cands, all, n, tied, turn);
+    }
+    /* pick = self._least_loaded(candidates) */
+    return least_loaded(cands, all, n, tied, turn);
+}
+
+/* The index's two generations as the reference's PrefixIndex holds them (prefix_index.py):
+ * `young` and `old` are the index's current dicts; a turn replaces them on the index too. */
+typedef struct {
+    PyObject *index; /* borrowed */
+    PyObject *young, *old;
+    Py_ssize_t half;
+    int turns; /* generation turns made through this struct */
+} Gens;
+
+/* How many replicas the index's C path takes: min(index.max_replicas, MAX_WALK_REPLICAS);
+ * -1 on error. */
+static long replica_limit(PyObject *index) {
+    PyObject *max_replicas_obj = PyObject_GetAttr(index, s_max_replicas);
+    if (max_replicas_obj == NULL) return -1;
+    long max_replicas = PyLong_AsLong(max_replicas_obj);
+    Py_DECREF(max_replicas_obj);
+    if (max_replicas == -1 && PyErr_Occurred()) return -1;
+    return max_replicas > MAX_WALK_REPLICAS ? MAX_WALK_REPLICAS : max_replicas;
+}
+
+/* Reads the index's two generations into g (new references, released by the caller). */
+static int gens_open(Gens *g) {
+    g->young = PyObject_GetAttr(g->index, s_young);
+    g->old = g->young ? PyObject_GetAttr(g->index, s_old) : NULL;
+    if (g->old == NULL) return -1;
+    if (!PyDict_CheckExact(g->young) || !PyDict_CheckExact(g->old)) {
+        PyErr_SetString(PyExc_TypeError, "the index's generations must be dicts");
+        return -1;
+    }
+    return 0;
+}
+
+/* PrefixIndex._put's (and record's) turn: evictions += len(old); old = young; young = {}. */
+static int gens_turn(Gens *g) {
+    PyObject *evictions = PyObject_GetAttr(g->index, s_evictions);
+    if (evictions == NULL) return -1;
+    PyObject *dropped = PyLong_FromSsize_t(PyDict_GET_SIZE(g->old));
+    PyObject *sum = dropped ? PyNumber_Add(evictions, dropped) : NULL;
+    Py_DECREF(evictions);
+    Py_XDECREF(dropped);
+    if (sum == NULL) return -1;
+    int rc = PyObject_SetAttr(g->index, s_evictions, sum);
+    Py_DECREF(sum);
+    if (rc < 0) return -1;
+    PyObject *fresh = PyDict_New();
+    if (fresh == NULL) return -1;
+    if (PyObject_SetAttr(g->index, s_old, g->young) < 0 ||
+        PyObject_SetAttr(g->index, s_young, fresh) < 0) {
+        Py_DECREF(fresh);
+        return -1;
+    }
+    Py_SETREF(g->old, g->young);
+    g->young = fresh;
+    g->turns++;
+    return 0;
+}
+
+static int as_u64(PyObject *value, uint64_t *out) {
+    unsigned long long v = PyLong_AsUnsignedLongLong(value);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    *out = v;
+    return 0;
+}
+
+/* PrefixIndex.lookup(keys): the values of the leading known keys into values[], their count
+ * returned (-1: error). Young hits first, then from the first miss on each key through _get:
+ * young, else popped from old and put back into young (a turn when young is full). */
+static Py_ssize_t gens_lookup(Gens *g, PyObject **keys, Py_ssize_t n, uint64_t *values) {
+    Py_ssize_t k = 0;
+    for (; k < n; k++) {
+        PyObject *v = PyDict_GetItemWithError(g->young, keys[k]);
+        if (v == NULL) {
+            if (PyErr_Occurred()) return -1;
+            break;
+        }
+        if (as_u64(v, &values[k]) < 0) return -1;
+    }
+    for (; k < n; k++) {
+        PyObject *v = PyDict_GetItemWithError(g->young, keys[k]);
+        if (v != NULL) {
+            if (as_u64(v, &values[k]) < 0) return -1;
+            continue;
+        }
+        if (PyErr_Occurred()) return -1;
+        v = PyDict_GetItemWithError(g->old, keys[k]); /* value = self._old.pop(key, None) */
+        if (v == NULL) {
+            if (PyErr_Occurred()) return -1;
+            break;
+        }
+        Py_INCREF(v);
+        int rc = PyDict_DelItem(g->old, keys[k]);
+        /* self._put(key, value): the key is not in young (looked up just above) */
+        if (rc == 0 && PyDict_GET_SIZE(g->young) >= g->half) rc = gens_turn(g);
+        if (rc == 0) rc = PyDict_SetItem(g->young, keys[k], v);
+        if (rc == 0) rc = as_u64(v, &values[k]);
+        Py_DECREF(v);
+        if (rc < 0) return -1;
+    }
+    return k;
+}
+
+/* PrefixIndex.record(keys, replica, known) for a chain of n <= half blocks: a turn first when
+ * young cannot take the chain, then record_chain's values. */
+static int gens_record(Gens *g, PyObject **keys, const uint64_t *key_values, Py_ssize_t n,
+                       const uint64_t *known, Py_ssize_t k, uint64_t holder) {
+    /* Known blocks sit in young (found there or promoted by the lookup) unless a turn since
+     * the lookup began moved them to old: only then must an unchanged value be written again.
+     * Otherwise an unchanged value is not stored (the reference stores an equal int in place:
+     * same dict, same order), the common case of a prompt sent again where it is held. */
+    if (PyDict_GET_SIZE(g->young) + n > g->half && gens_turn(g) < 0) return -1;
+    int turned = g->turns > 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int last = (i == n - 1);
+        uint64_t next_fp = last ? 0 : (key_values[i + 1] & FP_MASK);
+        uint64_t value = chain_value(i < k ? known[i] : 0, i < k, last, next_fp, holder);
+        if (i < k && !turned && value == known[i]) continue;
+        if (set_value(g->young, keys[i], value) < 0) return -1;
+    }
+    return 0;
+}
+
+/* A float attribute of obj (an exact float, or where `int_ok` a small int, read exactly); *ok = 0
+ * when it is neither, -1 on error. The model's constants must be floats: an int constant would
+ * make the reference multiply ints exactly where this multiplies doubles. */
+static int float_attr(PyObject *obj, PyObject *name, int int_ok, double *out, int *ok) {
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL) return -1;
+    if (PyFloat_CheckExact(v)) {
+        *out = PyFloat_AS_DOUBLE(v);
+    } else if (int_ok && PyLong_CheckExact(v)) {
+        int overflow = 0;
+        long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+        if (overflow || x > (1ll << 40) || x < -(1ll << 40)) *ok = 0;
+        *out = (double)x;
+    } else {
+        *ok = 0;
+    }
+    Py_DECREF(v);
+    return 0;
+}
+
+/* An integral load below 2**40 in magnitude, as a double; 0 when the reference must decide. */
+static int plain_load(PyObject *v, double *out) {
+    double x;
+    if (PyLong_CheckExact(v)) {
+        int overflow = 0;
+        long long i = PyLong_AsLongLongAndOverflow(v, &overflow);
+        if (overflow) return 0;
+        x = (double)i;
+    } else if (PyFloat_CheckExact(v)) {
+        x = PyFloat_AS_DOUBLE(v);
+        if (x != floor(x)) return 0; /* a fraction, or nan / inf */
+    } else {
+        return 0;
+    }
+    if (x >= 1099511627776.0 || x <= -1099511627776.0) return 0;
+    *out = x;
+    return 1;
+}
+
+static PyObject *make_decision(PyObject *decision_type, PyObject *replica, PyObject *outcome,
+                               long long matched, PyObject *blocks) {
+    PyTypeObject *type = (PyTypeObject *)decision_type;
+    /* Decision.__new__ (object's) and its four slots set: the dataclass __init__ would cost a
+     * Python frame per request for the same four stores. */
+    PyObject *decision = type->tp_new(type, empty_tuple, NULL);
+    if (decision == NULL) return NULL;
+    PyObject *m = PyLong_FromLongLong(matched);
+    if (m == NULL || PyObject_SetAttr(decision, s_replica, replica) < 0 ||
+        PyObject_SetAttr(decision, s_outcome, outcome) < 0 ||
+        PyObject_SetAttr(decision, s_matched_blocks, m) < 0 ||
+        PyObject_SetAttr(decision, s_blocks, blocks) < 0) {
+        Py_XDECREF(m);
+        Py_DECREF(decision);
+        return NULL;
+    }
+    Py_DECREF(m);
+    return decision;
+}
+
+#define POLICY_COST 0
+#define POLICY_PREFIX 1
+
+static PyObject *route_tokens(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 9 || !PyType_Check(args[8]) || !PyDict_Check(args[7])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "route_tokens(index, policy, kind, tokens, block_size, seed, loads, "
+                        "capacity: dict, decision: type)");
+        return NULL;
+    }
+    PyObject *index = args[0], *policy = args[1], *capacity = args[7], *decision_type = args[8];
+    long kind = PyLong_AsLong(args[2]);
+    if (kind == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t block_size = PyLong_AsSsize_t(args[4]);
+    if (block_size == -1 && PyErr_Occurred()) return NULL;
+    if (block_size < 1 || (kind != POLICY_COST && kind != POLICY_PREFIX)) {
+        PyErr_SetString(PyExc_ValueError, "block_size must be >= 1 and kind 0 or 1");
+        return NULL;
+    }
+    unsigned long long seed = PyLong_AsUnsignedLongLong(args[5]);
+    if (seed == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+
+    PyObject *result = NULL, *loads = NULL, *blocks = NULL, *model = NULL, *replica_obj = NULL;
+    Gens g = {index, NULL, NULL, 0, 0};
+    uint64_t *key_values = NULL;
+    Py_buffer view;
+    view.obj = NULL;
+    Cand cands[64];
+    PyObject *replica_objs[64];
+    long replicas[64];
+    double costs[64];
+    Py_ssize_t tied[64], scratch[64];
+
+    /* -- what the reference would refuse or compute differently: None, nothing changed -- */
+    loads = PySequence_Fast(args[6], "loads must be a sequence");
+    if (loads == NULL) return NULL;
+    Py_ssize_t n_cands = PySequence_Fast_GET_SIZE(loads);
+    if (n_cands < 1 || n_cands > 64) goto fallback;
+    long max_replicas = replica_limit(index);
+    if (max_replicas < 0) goto done;
+    PyObject **load_items = PySequence_Fast_ITEMS(loads);
+    uint64_t eligible = 0;
+    for (Py_ssize_t i = 0; i < n_cands; i++) {
+        PyObject *item = load_items[i];
+        if (!PyTuple_CheckExact(item) || PyTuple_GET_SIZE(item) != 2) goto fallback;
+        PyObject *r_obj = PyTuple_GET_ITEM(item, 0);
+        if (!PyLong_CheckExact(r_obj)) goto fallback;
+        long r = PyLong_AsLong(r_obj);
+        if (r == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            goto fallback;
+        }
+        if (r < 0 || r >= max_replicas) goto fallback;
+        if (!plain_load(PyTuple_GET_ITEM(item, 1), &cands[i].load)) goto fallback;
+        /* capacity.get(r, 0) */
+        PyObject *cap = PyDict_GetItemWithError(capacity, r_obj);
+        long long cap_value = 0;
+        if (cap == NULL) {
+            if (PyErr_Occurred()) goto done;
+        } else {
+            if (!PyLong_CheckExact(cap)) goto fallback;
+            int overflow = 0;
+            cap_value = PyLong_AsLongLongAndOverflow(cap, &overflow);
+            if (overflow || cap_value > (1ll << 52) || cap_value < -(1ll << 52)) goto fallback;
+        }
+        cands[i].capacity = cap_value;
+        replicas[i] = r;
+        replica_objs[i] = r_obj;
+        eligible |= 1ull << r;
+    }
+    Model m = {0, 0, 0, 0};
+    double concurrency = 0.0, imbalance = 0.0;
+    int ok = 1;
+    if (kind == POLICY_COST) {
+        model = PyObject_GetAttr(policy, s_model);
+        if (model == NULL || float_attr(model, s_prefill, 0, &m.prefill, &ok) < 0 ||
+            float_attr(model, s_decode_seq, 0, &m.decode_seq, &ok) < 0 ||
+            float_attr(model, s_output, 0, &m.output, &ok) < 0 ||
+            float_attr(model, s_step_base, 0, &m.step_base, &ok) < 0 ||
+            float_attr(policy, s_concurrency, 1, &concurrency, &ok) < 0)
+            goto done;
+    } else if (float_attr(policy, s_imbalance, 1, &imbalance, &ok) < 0) {
+        goto done;
+    }
+    if (!ok) goto fallback;
+    PyObject *turn_obj = PyObject_GetAttr(policy, s_turn);
+    if (turn_obj == NULL) goto done;
+    int overflow = 0;
+    long long turn = PyLong_Check(turn_obj) ? PyLong_AsLongLongAndOverflow(turn_obj, &overflow) : 0;
+    int turn_plain = PyLong_Check(turn_obj) && !overflow && turn < (1ll << 62);
+    Py_DECREF(turn_obj);
+    if (!turn_plain) goto fallback;
+    long long turn_before = turn;
+    PyObject *half_obj = PyObject_GetAttr(index, s_half);
+    if (half_obj == NULL) goto done;
+    g.half = PyLong_AsSsize_t(half_obj);
+    Py_DECREF(half_obj);
+    if (g.half == -1 && PyErr_Occurred()) goto done;
+    if (PyObject_GetBuffer(args[3], &view, PyBUF_ND | PyBUF_FORMAT) < 0) goto done;
+    if (view.itemsize < 1 || view.len % view.itemsize != 0) goto fallback;
+    Py_ssize_t length = view.len / view.itemsize; /* key.length */
+    Py_ssize_t n = length / block_size;
+    if (n > g.half) goto fallback; /* record's one-by-one path for a tiny index */
+
+    /* -- blocks = self.block_keys(key, lora_path) -- */
+    key_values = PyMem_Malloc((size_t)(2 * n + 1) * sizeof(uint64_t));
+    if (key_values == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    uint64_t *values = key_values + n;
+    blocks = PyTuple_New(n);
+    if (blocks == NULL) goto done;
+    {
+        XXH64_hash_t h = (XXH64_hash_t)seed;
+        size_t step = (size_t)block_size * (size_t)view.itemsize;
+        for (Py_ssize_t b = 0; b < n; b++) {
+            h = XXH3_64bits_withSeed((const char *)view.buf + (size_t)b * step, step, h);
+            key_values[b] = h;
+            PyObject *key = PyLong_FromUnsignedLongLong(h);
+            if (key == NULL) goto done;
+            PyTuple_SET_ITEM(blocks, b, key);
+        }
+    }
+    PyObject **keys = &PyTuple_GET_ITEM(blocks, 0);
+
+    /* -- values = self.index.lookup(blocks) -- */
+    if (gens_open(&g) < 0) goto done;
+    Py_ssize_t k = gens_lookup(&g, keys, n, values);
+    if (k < 0) goto done;
+
+    /* -- reach, common = self.index.reach(values, matchable, replicas) -- */
+    /* matchable = max(0, (key.length - 1) // bs) */
+    Py_ssize_t matchable = length >= 1 ? (length - 1) / block_size : 0;
+    if (matchable > k) matchable = k;
+    Py_ssize_t reach_of[MAX_WALK_REPLICAS];
+    Walk walk;
+    walk_start(&walk, eligible, matchable, reach_of);
+    for (Py_ssize_t d = 0; d < matchable; d++) walk_step(&walk, d, values[d], reach_of);
+    Py_ssize_t common = walk_common(&walk);
+
+    /* -- the candidates -- */
+    for (Py_ssize_t i = 0; i < n_cands; i++) {
+        Py_ssize_t d = reach_of[replicas[i]];
+        cands[i].matched = d > common ? d - common : 0;   /* matched = d - common if d > common */
+        Py_ssize_t held = d > common ? d : common;        /* held = max(d, common) */
+        cands[i].new_tokens = (long long)length - (long long)held * block_size;
+        cands[i].prompt = length;
+    }
+
+    /* -- decision = self.policy.choose(candidates) -- */
+    Py_ssize_t pick;
+    PyObject *outcome;
+    long long matched;
+    long long best_match = 0;
+    for (Py_ssize_t i = 0; i < n_cands; i++)
+        if (cands[i].matched > best_match) best_match = cands[i].matched;
+    if (kind == POLICY_COST) {
+        pick = cost_choose(&m, cands, n_cands, costs, tied, &concurrency, &turn);
+        if (best_match == 0) {
+            outcome = s_unmatched;
+            matched = 0;
+        } else {
+            outcome = cands[pick].matched == best_match ? s_affinity : s_spilled;
+            matched = cands[pick].matched;
+        }
+        PyObject *c = PyFloat_FromDouble(concurrency);
+        int rc = c ? PyObject_SetAttr(policy, s_concurrency, c) : -1;
+        Py_XDECREF(c);
+        if (rc < 0) goto done;
+    } else {
+        int affinity;
+        pick = prefix_choose(cands, n_cands, imbalance, scratch, tied, &turn, &affinity);
+        if (affinity) {
+            outcome = s_affinity;
+            matched = best_match;
+        } else if (best_match > 0) {
+            outcome = s_spilled;
+            matched = cands[pick].matched;
+        } else {
+            outcome = s_unmatched;
+            matched = 0;
+        }
+    }
+    if (turn != turn_before) { /* self._turn += 1, on a real tie only */
+        PyObject *t = PyLong_FromLongLong(turn);
+        int rc = t ? PyObject_SetAttr(policy, s_turn, t) : -1;
+        Py_XDECREF(t);
+        if (rc < 0) goto done;
+    }
+
+    /* -- self.index.record(blocks, decision.replica, values) -- */
+    uint64_t holder = (1ull << replicas[pick]) << HOLDERS_SHIFT;
+    if (gens_record(&g, keys, key_values, n, values, k, holder) < 0) goto done;
+    /* -- decision.blocks = tuple(blocks) -- */
+    replica_obj = replica_objs[pick];
+    result = make_decision(decision_type, replica_obj, outcome, matched, blocks);
+    goto done;
+fallback:
+    result = Py_NewRef(Py_None);
+done:
+    if (view.obj != NULL) PyBuffer_Release(&view);
+    PyMem_Free(key_values);
+    Py_XDECREF(blocks);
+    Py_XDECREF(model);
+    Py_XDECREF(g.young);
+    Py_XDECREF(g.old);
+    Py_DECREF(loads);
+    return result;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * learn_tokens: Router.record_completion's token-id case in one call (router.py, the reference).
+ *
+ *   learn_tokens(index, tokens, completion, block_size, blocks, replica) -> True | None
+ *
+ * `tokens` an array('I') prompt whose full blocks are `blocks` (a Decision's block keys, a
+ * tuple), `completion` the generated ids. As the reference: the chain continued from the
+ * prompt's last block through its tail and the completion (extend_chain), then
+ * index.lookup([last, *more]); found: index.record of that chain with what was found; not
+ * (the index was cleared since routing): index.record(blocks + more) from a fresh lookup.
+ * Returns None, having changed nothing, where the reference must decide: a prompt with no full
+ * block or whose blocks do not match it, ids that are not uint32, a replica outside
+ * 0..min(index.max_replicas, MAX_WALK_REPLICAS)-1, or a chain longer than half the index.
+ * ------------------------------------------------------------------------------------------- */
+static PyObject *learn_tokens(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6) {
+        PyErr_SetString(PyExc_TypeError,
+                        "learn_tokens(index, tokens, completion, block_size, blocks, replica)");
+        return NULL;
+    }
+    PyObject *index = args[0], *blocks = args[4], *replica_obj = args[5];
+    Py_ssize_t block_size = PyLong_AsSsize_t(args[3]);
+    if (block_size == -1 && PyErr_Occurred()) return NULL;
+    if (block_size < 1) {
+        PyErr_SetString(PyExc_ValueError, "block_size must be >= 1");
+        return NULL;
+    }
+    PyObject *completion = PySequence_Fast(args[2], "completion must be a sequence");
+    if (completion == NULL) return NULL;
+    PyObject *result = NULL, **keys = NULL;
+    Py_ssize_t n_keys = 0;
+    uint64_t *key_values = NULL;
+    uint32_t *ids = NULL;
+    Gens g = {index, NULL, NULL, 0, 0};
+    Py_buffer view;
+    view.obj = NULL;
+    if (!PyTuple_CheckExact(blocks) || !PyLong_CheckExact(replica_obj)) goto fallback;
+    long replica = PyLong_AsLong(replica_obj);
+    if (replica == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        goto fallback;
+    }
+    long max_replicas = replica_limit(index);
+    if (max_replicas < 0) goto done;
+    if (replica < 0 || replica >= max_replicas) goto fallback;
+    if (PyObject_GetBuffer(args[1], &view, PyBUF_ND | PyBUF_FORMAT) < 0) goto done;
+    if (view.itemsize != 4 || view.format == NULL || strcmp(view.format, "I") != 0) goto fallback;
+    Py_ssize_t prompt_len = view.len / 4;
+    Py_ssize_t full = prompt_len / block_size, n_blocks = PyTuple_GET_SIZE(blocks);
+    /* if full and len(decision.blocks) == full: */
+    if (full == 0 || n_blocks != full) goto fallback;
+    PyObject *half_obj = PyObject_GetAttr(index, s_half);
+    if (half_obj == NULL) goto done;
+    g.half = PyLong_AsSsize_t(half_obj);
+    Py_DECREF(half_obj);
+    if (g.half == -1 && PyErr_Occurred()) goto done;
+
+    /* more = extend_tail(last, key.tokens, full * bs, completion): extend_chain's packing */
+    Py_ssize_t tail = prompt_len - full * block_size;
+    Py_ssize_t generated = PySequence_Fast_GET_SIZE(completion);
+    Py_ssize_t total = tail + generated;
+    Py_ssize_t n_more = total / block_size;
+    if (n_blocks + n_more > g.half) goto fallback; /* record's one-by-one path: the reference */
+    ids = PyMem_Malloc((size_t)(total ? total : 1) * sizeof(uint32_t));
+    n_keys = n_blocks + n_more;
+    key_values = PyMem_Malloc((size_t)(2 * n_keys) * sizeof(uint64_t));
+    keys = PyMem_Calloc((size_t)n_keys, sizeof(PyObject *));
+    if (ids == NULL || key_values == NULL || keys == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    uint64_t *values = key_values + n_keys;
+    if (tail) memcpy(ids, (const char *)view.buf + full * block_size * 4, (size_t)tail * 4);
+    if (!pack_ids(PySequence_Fast_ITEMS(completion), generated, ids + tail)) goto fallback;
+    for (Py_ssize_t b = 0; b < n_blocks; b++) {
+        PyObject *key = PyTuple_GET_ITEM(blocks, b);
+        if (!PyLong_CheckExact(key)) goto fallback;
+        unsigned long long v = PyLong_AsUnsignedLongLong(key);
+        if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            goto fallback;
+        }
+        key_values[b] = v;
+        keys[b] = Py_NewRef(key);
+    }
+    XXH64_hash_t h = (XXH64_hash_t)key_values[n_blocks - 1];
+    size_t step = (size_t)block_size * 4;
+    for (Py_ssize_t b = 0; b < n_more; b++) {
+        h = XXH3_64bits_withSeed((const char *)ids + (size_t)b * step, step, h);
+        key_values[n_blocks + b] = h;
+        keys[n_blocks + b] = PyLong_FromUnsignedLongLong(h);
+        if (keys[n_blocks + b] == NULL) goto done;
+    }
+
+    if (gens_open(&g) < 0) goto done;
+    uint64_t holder = (1ull << replica) << HOLDERS_SHIFT;
+    /* keys = [last, *more]; known = self.index.lookup(keys) */
+    PyObject **chain_keys = keys + n_blocks - 1;
+    uint64_t *chain_values = key_values + n_blocks - 1;
+    Py_ssize_t k = gens_lookup(&g, chain_keys, 1 + n_more, values);
+    if (k < 0) goto done;
+    if (k > 0) {
+        /* self.index.record(keys, decision.replica, known) */
+        if (gens_record(&g, chain_keys, chain_values, 1 + n_more, values, k, holder) < 0)
+            goto done;
+    } else {
+        /* self.index.record(list(decision.blocks) + more, decision.replica): looked up first */
+        k = gens_lookup(&g, keys, n_keys, values);
+        if (k < 0 || gens_record(&g, keys, key_values, n_keys, values, k, holder) < 0) goto done;
+    }
+    result = Py_NewRef(Py_True);
+    goto done;
+fallback:
+    result = Py_NewRef(Py_None);
+done:
+    if (view.obj != NULL) PyBuffer_Release(&view);
+    if (keys != NULL)
+        for (Py_ssize_t i = 0; i < n_keys; i++) Py_XDECREF(keys[i]);
+    PyMem_Free(keys);
+    PyMem_Free(key_values);
+    PyMem_Free(ids);
+    Py_XDECREF(g.young);
+    Py_XDECREF(g.old);
     Py_DECREF(completion);
     return result;
 }
@@ -519,6 +1357,12 @@ static PyMethodDef methods[] = {
      "prefix_walk(values, count, replicas) -> ({replica: reach}, common) or None"},
     {"extend_chain", (PyCFunction)(void (*)(void))extend_chain, METH_FASTCALL,
      "extend_chain(prompt, start, completion, block_size, parent) -> keys or None"},
+    {"route_tokens", (PyCFunction)(void (*)(void))route_tokens, METH_FASTCALL,
+     "route_tokens(index, policy, kind, tokens, block_size, seed, loads, capacity, decision) "
+     "-> Decision or None: Router.route's token-id case"},
+    {"learn_tokens", (PyCFunction)(void (*)(void))learn_tokens, METH_FASTCALL,
+     "learn_tokens(index, tokens, completion, block_size, blocks, replica) -> True or None: "
+     "Router.record_completion's token-id case"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -534,9 +1378,30 @@ PyMODINIT_FUNC PyInit__native(void) {
     array_type = PyObject_GetAttrString(array_module, "array");
     Py_DECREF(array_module);
     if (array_type == NULL) return NULL;
+    struct {
+        PyObject **slot;
+        const char *text;
+    } names[] = {
+        {&s_young, "_young"}, {&s_old, "_old"}, {&s_half, "_half"}, {&s_evictions, "evictions"},
+        {&s_max_replicas, "max_replicas"}, {&s_concurrency, "concurrency"}, {&s_turn, "_turn"},
+        {&s_model, "model"}, {&s_prefill, "prefill_s_per_token"},
+        {&s_decode_seq, "decode_s_per_seq_step"}, {&s_output, "expected_output_tokens"},
+        {&s_step_base, "decode_step_base_s"}, {&s_imbalance, "imbalance"},
+        {&s_replica, "replica"}, {&s_outcome, "outcome"}, {&s_matched_blocks, "matched_blocks"},
+        {&s_blocks, "blocks"}, {&s_affinity, "affinity"}, {&s_spilled, "spilled"},
+        {&s_unmatched, "unmatched"},
+    };
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        *names[i].slot = PyUnicode_InternFromString(names[i].text);
+        if (*names[i].slot == NULL) return NULL;
+    }
+    empty_tuple = PyTuple_New(0);
+    if (empty_tuple == NULL) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
-    if (PyModule_AddStringConstant(m, "XXHASH_VERSION", "0.8.2") < 0) {
+    if (PyModule_AddIntConstant(m, "CONCURRENCY_MEMORY_DECISIONS",
+                                CONCURRENCY_MEMORY_DECISIONS) < 0 ||
+        PyModule_AddStringConstant(m, "XXHASH_VERSION", "0.8.2") < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -23,6 +23,7 @@ entries once warm; what it forgets first is what was touched least recently.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from types import ModuleType
 
 from proxy.core.native import module_for
 from proxy.core.reach import mask_of, prefix_reach
@@ -75,6 +76,9 @@ class PrefixIndex:
         self._record_chain: Callable[[dict[int, int], Sequence[int], Sequence[int], int], None]
         self._record_chain = _record_chain
         self._walk: Callable[[Sequence[int], int, Sequence[int]], _Reach | None] | None = None
+        # The extension whose C functions read and write this index (None: Python only);
+        # Router's one-call route (_native.c's route_tokens) works on the same two dicts.
+        self.native: ModuleType | None = None
         if module is not None and module.INDEX_LAYOUT != INDEX_LAYOUT:
             raise RuntimeError(
                 f"proxy.core._native packs index values as {module.INDEX_LAYOUT}, "
@@ -83,6 +87,7 @@ class PrefixIndex:
         if module is not None and max_replicas <= MAX_NATIVE_REPLICAS:
             self._record_chain = module.record_chain
             self._walk = module.prefix_walk
+            self.native = module
 
     def __len__(self) -> int:
         return len(self._young) + len(self._old)

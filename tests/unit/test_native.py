@@ -412,28 +412,83 @@ def recorded_workload(seed: int = 11, groups: int = 12) -> list[tuple[bytes, lis
     return out
 
 
-@pytest.mark.parametrize("policy", ["cost", "prefix"])
-def test_routing_decisions_are_identical_on_a_recorded_workload(policy: str) -> None:
+class Spied:
+    """A router's one-call route or learning (route_tokens, learn_tokens), counting the calls
+    it answered itself (not None)."""
+
+    def __init__(self, router: Router, name: str) -> None:
+        self.call = getattr(router, name)
+        assert self.call is not None, f"{name} is not enabled"
+        self.decided = 0
+        setattr(router, name, self)
+
+    def __call__(self, *args: Any) -> Any:
+        answer = self.call(*args)
+        self.decided += answer is not None
+        return answer
+
+
+def policy_state(router: Router) -> Any:
+    return vars(router.policy).get("concurrency"), router.policy._turn  # type: ignore[attr-defined]
+
+
+# KV capacities per replica: unknown, small (~1 context of the workload: the projected and
+# own-wait terms fire and change decisions, as counted when this test was written), roomy
+# (memory priced, never charged), all but the last replica's known (no memory term).
+CAPACITIES = {
+    "unknown": None,
+    "small": 1_500,
+    "roomy": 2_000_000,
+    "partly": -1,
+}
+
+
+@pytest.mark.parametrize(
+    ("policy", "capacity"), [("cost", c) for c in CAPACITIES] + [("prefix", "unknown")]
+)
+@pytest.mark.parametrize("replicas", [2, 3, 16])
+def test_routing_decisions_are_identical_on_a_recorded_workload(
+    policy: str, replicas: int, capacity: str
+) -> None:
+    """The whole routing, Python (the reference) and native (split_prompt, C hashing, index and
+    the one-call route), fed one workload: per request the same decision and afterwards the
+    same index (completions learned, generations turned: a small index), policy state included.
+    The native router routes and learns every request in one C call each (counted).
+    Loads drift up and are drained in steps (ties when they meet, own-wait and projected
+    memory terms on small caches); a model is purged mid-run and a replica forgotten."""
     decisions: dict[bool, list[tuple[int, str, int, tuple[int, ...]]]] = {}
     states = {}
     for use_native in (False, True):
-        index = PrefixIndex(4_000, use_native=use_native)
-        router = Router(FastHasher(16, use_native), index, make_policy(policy, 8))
-        load = [0, 0, 0]
+        index = PrefixIndex(600, use_native=use_native)
+        router = Router(FastHasher(16, use_native), index, make_policy(policy, 8), use_native)
+        spies = [Spied(router, name) for name in ("_route_tokens", "_learn_tokens") if use_native]
+        size = CAPACITIES[capacity]
+        if size is not None:
+            router.kv_capacity_tokens = {r: abs(size) for r in range(replicas)}
+            if size < 0:
+                del router.kv_capacity_tokens[replicas - 1]
+        load = [0] * replicas
         seen = []
         for i, (raw, completion) in enumerate(recorded_workload()):
+            if i == 90:
+                router.purge_model("policy-v1")
+            if i == 150:
+                router.forget_replica(1)
             key = packed_key(_native.split_prompt, raw) if use_native else None
             key = key or extract_completion(parse_json(raw))
-            decision = router.route(key, [(r, load[r]) for r in range(3)])
-            load[decision.replica] += 1
+            eligible = [r for r in range(replicas) if (i + r) % 7]  # one left out now and then
+            decision = router.route(key, [(r, load[r]) for r in eligible])
+            load[decision.replica] += 3
             if i % 4 == 3:
-                load = [max(0, n - 2) for n in load]
+                load = [max(0, n - 5) for n in load]
             router.record_completion(key, decision, completion)
             seen.append(
                 (decision.replica, decision.outcome, decision.matched_blocks, decision.blocks)
             )
         decisions[use_native] = seen
-        states[use_native] = index_state(index)
+        states[use_native] = index_state(index), policy_state(router)
+        for spy in spies:
+            assert spy.decided == len(seen)  # the C route and learning took every one of them
     assert decisions[True] == decisions[False]
     assert states[True] == states[False]  # learned completions included
     assert {d[1] for d in decisions[True]} >= {"affinity"}
