@@ -627,9 +627,7 @@ class PreciseMatcher:
         self._live_mask = live
         self._keys = event_keys
         if live and known:
-            home = self._rollout_home(
-                index, values, branching[:known], eligible, replicas, reach, common
-            )
+            home = self._rollout_home(index, values, replicas, reach, common)
             if home is not None:
                 return home
         return reach, common
@@ -638,8 +636,6 @@ class PreciseMatcher:
     def _rollout_home(
         index: PrefixIndex,
         values: Sequence[int],
-        branching: Sequence[bool],
-        eligible: int,
         replicas: Sequence[int],
         views_reach: dict[int, int],
         views_common: int,
@@ -666,7 +662,8 @@ class PreciseMatcher:
         decisions where events and the index differed were mostly these (bench/results/
         kv_events.md, round 7). A replica the views show holding more than the home does (a
         group sibling's blocks, another client's) still draws the request."""
-        reach, common = prefix_reach(index.held(values, eligible), branching, eligible, replicas)
+        # Runs for every request with a live view: the index's walk in C (PrefixIndex.reach).
+        reach, common = index.reach(values, len(values), replicas)
         best = max(reach.values(), default=0)
         if best <= common:
             return None
