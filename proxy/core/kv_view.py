@@ -237,8 +237,9 @@ class ReplicaView:
         self.freed: OrderedDict[int, int] = OrderedDict()
         self._tick = count()
         self.pins: Counter[int] = Counter()  # key -> requests in flight here that hold it
-        # In flight here, oldest first: token -> (prompt keys, blocks it must allocate).
-        self.held: OrderedDict[int, tuple[Sequence[int], int]] = OrderedDict()
+        # In flight here, oldest first: token -> (prompt keys, blocks it must allocate, time
+        # after which it no longer counts as waiting: see ``doomed``).
+        self.held: OrderedDict[int, tuple[Sequence[int], int, float]] = OrderedDict()
         self.live = False  # the keys are exactly what the replica holds
         self.next_seq: int | None = None  # the sequence number expected next
         self.batches = 0
@@ -406,7 +407,7 @@ class ReplicaView:
         while len(pending) > MAX_PENDING_BLOCKS:
             pending.popitem(last=False)
 
-    def hold(self, token: int, keys: Sequence[int]) -> None:
+    def hold(self, token: int, keys: Sequence[int], now: float = 0.0) -> None:
         """A request with prompt blocks ``keys`` was just routed here: they are pinned (not
         evictable) until ``release(token)``; the ones not cached must be allocated."""
         # C-level loops (Counter.update, map): this runs on every routed request.
@@ -414,7 +415,7 @@ class ReplicaView:
         deque(map(self.freed.pop, keys, repeat(None)), maxlen=0)
         new = len(keys) - sum(map(self.blocks.__contains__, keys))
         held = self.held
-        held[token] = (keys, new)
+        held[token] = (keys, new, now + PENDING_TTL_S)
         while len(held) > MAX_HELD_REQUESTS:
             self.release(next(iter(held)))
 
@@ -435,7 +436,7 @@ class ReplicaView:
                 freed.pop(key, None)
                 freed[key] = next(tick)
 
-    def doomed(self, capacity_blocks: int, output_blocks: int) -> int:
+    def doomed(self, capacity_blocks: int, output_blocks: int, now: float = 0.0) -> int:
         """The cached blocks the replica will have evicted before a request routed here now is
         admitted, by its own rules: admission is FCFS and reserves a request's whole context
         (the prompt blocks it does not hold and ``output_blocks``); once the free pool is
@@ -443,7 +444,10 @@ class ReplicaView:
         requests routed here and not yet admitted (their last prompt block not yet reported
         stored) evict ``their allocations - free blocks`` from the head of ``freed`` before
         this one is admitted. Free blocks: the capacity less what is cached and the output
-        reservations of the admitted requests.
+        reservations of the admitted requests. A request still not admitted PENDING_TTL_S after
+        it was routed no longer counts as waiting: its answer may never come back to release it
+        (retried elsewhere, the client gone), and a queue that long is beyond what the views'
+        pending blocks assume too.
 
         Returns the freed-stamp up to which blocks are doomed (``freed``'s values), or -1 for
         none: when the allocations fit (the usual case on a cache that holds what is in
@@ -453,9 +457,10 @@ class ReplicaView:
             return -1
         blocks = self.blocks
         waiting = admitted = 0
-        for keys, new in self.held.values():
+        for keys, new, deadline in self.held.values():
             if keys and keys[-1] not in blocks:
-                waiting += new + output_blocks
+                if deadline > now:
+                    waiting += new + output_blocks
             else:
                 admitted += 1
         free = capacity_blocks - len(blocks) - admitted * output_blocks
@@ -600,7 +605,7 @@ class PreciseMatcher:
         by_reach = sorted(
             (
                 views[r].held_prefix(
-                    event_keys, now, views[r].doomed(capacity.get(r, 0) // bs, output_blocks)
+                    event_keys, now, views[r].doomed(capacity.get(r, 0) // bs, output_blocks, now)
                 ),
                 r,
             )
@@ -689,7 +694,7 @@ class PreciseMatcher:
         if view is not None:
             if view.usable:
                 view.expect(self._keys, self._clock())
-            view.hold(token, self._keys)
+            view.hold(token, self._keys, self._clock())
         pending = self._pending
         if len(pending) >= MAX_PENDING_PREDICTIONS:
             old, (_, _, at) = pending.popitem(last=False)

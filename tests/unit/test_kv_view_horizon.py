@@ -7,7 +7,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxy.core.kv_view import EXPECTED_OUTPUT_TOKENS, STORED, PreciseMatcher, ReplicaView
+from proxy.core.kv_view import (
+    EXPECTED_OUTPUT_TOKENS,
+    PENDING_TTL_S,
+    STORED,
+    PreciseMatcher,
+    ReplicaView,
+)
 from proxy.core.prefix_index import PrefixIndex
 
 BS = 16
@@ -31,7 +37,8 @@ class Fleet:
         self.seq = {0: 0, 1: 0}
         for r in self.views:
             self.report(r)  # seq 0: a fresh publisher, the view is live and empty
-        self.matcher = PreciseMatcher(self.views, clock=lambda: 0.0, block_size=lambda: BS)
+        self.now = 0.0
+        self.matcher = PreciseMatcher(self.views, clock=lambda: self.now, block_size=lambda: BS)
         if capacity_blocks is not None:
             self.matcher.capacity_tokens = {0: capacity_blocks * BS, 1: capacity_blocks * BS}
         self.index = PrefixIndex(1000)
@@ -80,6 +87,17 @@ def test_without_a_known_capacity_or_with_room_every_held_block_counts() -> None
     # 10 cached + 43 to allocate fit in 53 blocks: nothing is evicted.
     assert served_then_queued(53, 5).reach(continuation) == {0: 10, 1: 0}
     assert served_then_queued(52, 5).reach(continuation) == {0: 9, 1: 0}
+
+
+def test_a_request_never_admitted_stops_counting_as_waiting() -> None:
+    # Its answer may never come back (retried elsewhere, the client gone): after PENDING_TTL_S
+    # it no longer evicts anything in the model.
+    fleet = served_then_queued(45, 5)
+    continuation = chain(10, 100) + chain(4, 900)
+    fleet.now = PENDING_TTL_S - 1.0
+    assert fleet.reach(continuation) == {0: 2, 1: 0}
+    fleet.now = PENDING_TTL_S + 1.0
+    assert fleet.reach(continuation) == {0: 10, 1: 0}
 
 
 def test_blocks_a_request_in_flight_pins_survive_the_queue() -> None:
