@@ -177,6 +177,7 @@ def _kv_events(rt: Runtime) -> KvEvents:
     kv = KvEvents(rt.settings, rt.fleet, lambda: rt.router.block_size, lambda: rt.router.hasher)
     kv.register(rt.metrics.registry)
     rt.router.precise = kv.matcher
+    kv.matcher.capacity_tokens = rt.router.kv_capacity_tokens  # scraped into it by health.py
     rt.data.kv_events = kv
     return kv
 

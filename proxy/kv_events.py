@@ -335,7 +335,7 @@ class KvEvents:
         self._block_size = block_size
         self.hasher = hasher  # the router's, read at call time (it may be rebuilt)
         self.views: dict[int, ReplicaView] = {}
-        self.matcher = PreciseMatcher(self.views)
+        self.matcher = PreciseMatcher(self.views, block_size=block_size)
         self.subscribers: dict[int, ReplicaSubscriber] = {}
         self.tallies = {"events": _Tally(), "index": _Tally()}
         self.unreported = 0  # answers without usage.prompt_tokens_details.cached_tokens

@@ -25,9 +25,9 @@ on the precise path within one sync interval even without a replay endpoint.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
-from itertools import islice, takewhile
+from itertools import count, islice, repeat, takewhile
 from typing import Any, NamedTuple, Protocol
 
 from proxy.core.prefix_index import PrefixIndex
@@ -50,6 +50,15 @@ MAX_PENDING_BLOCKS = 65_536
 # Predictions awaiting the replica's answer (one per routed request in flight). TRL keeps at most
 # a few hundred rollouts in flight; 65,536 means only a leak could ever push one out.
 MAX_PENDING_PREDICTIONS = 65_536
+
+# Requests whose blocks a view counts as pinned (routed there, not yet answered). TRL keeps a few
+# hundred rollouts in flight over the whole fleet; an answer that never comes back (a streamed or
+# failed request, whose decision is never checked) is forgotten oldest first past this bound.
+MAX_HELD_REQUESTS = 4_096
+# Tokens a request is expected to generate, hence reserves on admission (vLLM and the simulator
+# allocate the whole context): the cost model's figure (proxy/core/policy.py, CostModel), so the
+# eviction horizon and the memory price assume the same request.
+EXPECTED_OUTPUT_TOKENS = 600
 
 STORED = "BlockStored"
 REMOVED = "BlockRemoved"
@@ -217,6 +226,20 @@ class ReplicaView:
         self.blocks: dict[int, None] = {}
         # Sent here, not yet reported stored: key -> deadline (see PENDING_TTL_S).
         self.pending: OrderedDict[int, float] = OrderedDict()
+        # The eviction model (``doomed``): which cached blocks the replica may evict, least
+        # recently freed first, and which ones requests routed here pin. vLLM and the simulator
+        # free a finished request's blocks to the tail of an LRU queue (its last block first)
+        # and evict from its head when an admission needs room; events report stores and
+        # evictions, not frees, so the proxy marks a request's prompt blocks freed when its
+        # answer comes back (``release``). Stored blocks no routed request pins (a completion's
+        # generated blocks, another client's) count as freed when stored.
+        # key -> when it was freed (increasing along the order; only the order matters).
+        self.freed: OrderedDict[int, int] = OrderedDict()
+        self._tick = count()
+        self.pins: Counter[int] = Counter()  # key -> requests in flight here that hold it
+        # In flight here, oldest first: token -> (prompt keys, blocks it must allocate, time
+        # after which it no longer counts as waiting: see ``doomed``).
+        self.held: OrderedDict[int, tuple[Sequence[int], int, float]] = OrderedDict()
         self.live = False  # the keys are exactly what the replica holds
         self.next_seq: int | None = None  # the sequence number expected next
         self.batches = 0
@@ -312,7 +335,9 @@ class ReplicaView:
             self.malformed += 1
             self.drop()
             return True
-        blocks, pending = self.blocks, self.pending
+        blocks, pending, freed, pins, tick = (
+            self.blocks, self.pending, self.freed, self.pins, self._tick
+        )  # fmt: skip
         confirmed = 0
         for event in events:
             self.events += 1
@@ -322,14 +347,17 @@ class ReplicaView:
                     blocks[key] = None
                     if pending and pending.pop(key, None) is not None:
                         confirmed += 1
+                    if key not in pins:
+                        freed.setdefault(key, next(tick))
             elif event.kind == REMOVED:
                 for key in event.keys:
                     blocks.pop(key, None)
+                    freed.pop(key, None)
                     if pending and pending.pop(key, None) is not None:
                         confirmed += 1
             else:
                 self._resync()
-                blocks, pending = self.blocks, self.pending
+                blocks, pending, freed = self.blocks, self.pending, self.freed
         if confirmed:
             self.predictions_confirmed += confirmed
             if self.hashes_match is None:
@@ -338,12 +366,14 @@ class ReplicaView:
         if overflow > 0:
             for key in list(_first(blocks, overflow)):
                 del blocks[key]
+                freed.pop(key, None)
             self.overflow += overflow
         return True
 
     def _resync(self) -> None:
         self.blocks = {}
         self.pending = OrderedDict()
+        self.freed = OrderedDict()
         if not self.live:
             self.resyncs += 1
         self.live = True
@@ -356,6 +386,7 @@ class ReplicaView:
         self.live = False
         self.blocks = {}
         self.pending = OrderedDict()
+        self.freed = OrderedDict()
 
     def forget(self) -> None:
         """The replica went away (ejected, removed, restarting): start over, wait for seq 0."""
@@ -376,9 +407,74 @@ class ReplicaView:
         while len(pending) > MAX_PENDING_BLOCKS:
             pending.popitem(last=False)
 
-    def held_prefix(self, keys: Sequence[int], now: float = 0.0) -> int:
+    def hold(self, token: int, keys: Sequence[int], now: float = 0.0) -> None:
+        """A request with prompt blocks ``keys`` was just routed here: they are pinned (not
+        evictable) until ``release(token)``; the ones not cached must be allocated."""
+        # C-level loops (Counter.update, map): this runs on every routed request.
+        self.pins.update(keys)
+        deque(map(self.freed.pop, keys, repeat(None)), maxlen=0)
+        new = len(keys) - sum(map(self.blocks.__contains__, keys))
+        held = self.held
+        held[token] = (keys, new, now + PENDING_TTL_S)
+        while len(held) > MAX_HELD_REQUESTS:
+            self.release(next(iter(held)))
+
+    def release(self, token: int) -> None:
+        """The request ``token`` finished: its blocks no other request here pins are freed, to
+        the LRU tail in reverse order (its first block is evicted last), as vLLM frees them."""
+        entry = self.held.pop(token, None)
+        if entry is None:
+            return
+        blocks, pins, freed, tick = self.blocks, self.pins, self.freed, self._tick
+        for key in reversed(entry[0]):
+            n = pins[key] - 1
+            if n > 0:
+                pins[key] = n
+                continue
+            pins.pop(key, None)
+            if key in blocks:
+                freed.pop(key, None)
+                freed[key] = next(tick)
+
+    def doomed(self, capacity_blocks: int, output_blocks: int, now: float = 0.0) -> int:
+        """The cached blocks the replica will have evicted before a request routed here now is
+        admitted, by its own rules: admission is FCFS and reserves a request's whole context
+        (the prompt blocks it does not hold and ``output_blocks``); once the free pool is
+        spent, each block allocated evicts the least recently freed unpinned block. So the
+        requests routed here and not yet admitted (their last prompt block not yet reported
+        stored) evict ``their allocations - free blocks`` from the head of ``freed`` before
+        this one is admitted. Free blocks: the capacity less what is cached and the output
+        reservations of the admitted requests. A request still not admitted PENDING_TTL_S after
+        it was routed no longer counts as waiting: its answer may never come back to release it
+        (retried elsewhere, the client gone), and a queue that long is beyond what the views'
+        pending blocks assume too.
+
+        Returns the freed-stamp up to which blocks are doomed (``freed``'s values), or -1 for
+        none: when the allocations fit (the usual case on a cache that holds what is in
+        flight) or the capacity is unknown (0)."""
+        freed = self.freed
+        if capacity_blocks <= 0 or not freed:
+            return -1
+        blocks = self.blocks
+        waiting = admitted = 0
+        for keys, new, deadline in self.held.values():
+            if keys and keys[-1] not in blocks:
+                if deadline > now:
+                    waiting += new + output_blocks
+            else:
+                admitted += 1
+        free = capacity_blocks - len(blocks) - admitted * output_blocks
+        evictions = waiting - max(free, 0)
+        if evictions <= 0:
+            return -1
+        if evictions >= len(freed):
+            return next(reversed(freed.values()))
+        return next(islice(freed.values(), evictions - 1, None))
+
+    def held_prefix(self, keys: Sequence[int], now: float = 0.0, doomed: int = -1) -> int:
         """How many leading ``keys`` the replica holds or was just sent (vLLM's own hit also
-        stops at the first missing block)."""
+        stops at the first missing block), not counting blocks it will have evicted before the
+        request is admitted (freed up to the stamp ``doomed``)."""
         blocks, pending = self.blocks, self.pending
         expired = 0
         while pending:
@@ -398,6 +494,10 @@ class ReplicaView:
         # The held run first at C speed (6.8 vs 12.5 us for a 200-block run, timed on this
         # machine), then blocks just sent, which only the pending map has.
         n = len(list(takewhile(blocks.__contains__, keys)))
+        if doomed >= 0:
+            for i, stamp in enumerate(map(self.freed.get, islice(keys, n))):
+                if stamp is not None and stamp <= doomed:
+                    return i
         if pending:
             for key in islice(keys, n, None):
                 if key not in blocks and key not in pending:
@@ -432,16 +532,24 @@ class PreciseMatcher:
     """
 
     def __init__(
-        self, views: dict[int, ReplicaView], clock: Callable[[], float] = time.monotonic
+        self,
+        views: dict[int, ReplicaView],
+        clock: Callable[[], float] = time.monotonic,
+        block_size: Callable[[], int] = lambda: 16,
     ) -> None:
         self.views = views
         self._clock = clock
+        self._block_size = block_size
+        # Each replica's KV cache in tokens (vLLM's num_gpu_blocks * block_size), as scraped for
+        # the router (proxy/health.py fills the router's dict; the app shares it here). Unknown
+        # (absent or 0): no eviction horizon, the views count every block they hold.
+        self.capacity_tokens: dict[int, int] = {}
         self._keys: Sequence[int] = ()
         self._reach: dict[int, int] = {}
         self._live_mask = 0
         # Ordered: predictions never read (a streamed answer, a failed request) leave oldest
         # first, in O(1) (a plain dict's front deletions make the next lookup scan).
-        self._pending: OrderedDict[int, tuple[int, bool]] = OrderedDict()
+        self._pending: OrderedDict[int, tuple[int, bool, int]] = OrderedDict()
 
     def live_mask(self, replicas: Sequence[int]) -> int:
         mask = 0
@@ -489,9 +597,20 @@ class PreciseMatcher:
         live = self.live_mask(replicas)
         now = self._clock()
         views = self.views
-        # Live replicas by how far their views hold the prompt, shortest first.
+        bs = self._block_size()
+        capacity = self.capacity_tokens
+        output_blocks = -(-EXPECTED_OUTPUT_TOKENS // bs)
+        # What each live view will still hold when the request is admitted there (``doomed``),
+        # by reach, shortest first.
         by_reach = sorted(
-            (views[r].held_prefix(event_keys, now), r) for r in replicas if live >> r & 1
+            (
+                views[r].held_prefix(
+                    event_keys, now, views[r].doomed(capacity.get(r, 0) // bs, output_blocks, now)
+                ),
+                r,
+            )
+            for r in replicas
+            if live >> r & 1
         )
         known = len(values)
         depth_limit = max(known, by_reach[-1][0]) if by_reach else known
@@ -512,8 +631,8 @@ class PreciseMatcher:
         self._reach = reach
         self._live_mask = live
         self._keys = event_keys
-        if live and known and not any(d > common for d in reach.values()):
-            home = self._rollout_home(index, values, branching[:known], eligible, replicas)
+        if live and known:
+            home = self._rollout_home(index, values, replicas, reach, common)
             if home is not None:
                 return home
         return reach, common
@@ -522,13 +641,15 @@ class PreciseMatcher:
     def _rollout_home(
         index: PrefixIndex,
         values: Sequence[int],
-        branching: Sequence[bool],
-        eligible: int,
         replicas: Sequence[int],
+        views_reach: dict[int, int],
+        views_common: int,
     ) -> tuple[dict[int, int], int] | None:
-        """When the views leave no replica anything specific: the index's own scoring of the
-        request if it credits some replica with a specific prefix, else None (the views'
-        answer stands, and load decides).
+        """Where the index remembers the request's rollout (the replica it credits with the
+        longest specific prefix, its home) and the views name no replica holding more of the
+        prompt than that home will at admission: when the views leave nothing specific anywhere,
+        the index's own scoring; otherwise the views' reach with the home credited the index's.
+        None: the views' answer stands.
 
         Why. The views then say the request's own blocks are gone everywhere, so it prefills
         the same wherever it goes; what still differs is the future. The index remembers the
@@ -538,9 +659,27 @@ class PreciseMatcher:
         second cache while the first still holds what survived of it. Measured on the tight
         workload (bench/results/kv_events.md): "unmatched" decisions fell from 11-15% to 2-5%
         (the index's own share) and events stopped losing hits at 4 and 16 replicas. The
-        prediction recorded for the replica's answer stays the views' own."""
-        reach, common = prefix_reach(index.held(values, eligible), branching, eligible, replicas)
-        return (reach, common) if any(d > common for d in reach.values()) else None
+        prediction recorded for the replica's answer stays the views' own.
+
+        The same holds when the views show the rollout's history partly evicted at its home
+        (or about to be, ``ReplicaView.doomed``) but no other replica holding more: the request
+        prefills no less elsewhere, so moving it by load only moves the rollout. On tight x4 the
+        decisions where events and the index differed were mostly these (bench/results/
+        kv_events.md, round 7). A replica the views show holding more than the home does (a
+        group sibling's blocks, another client's) still draws the request."""
+        # Runs for every request with a live view: the index's walk in C (PrefixIndex.reach).
+        reach, common = index.reach(values, len(values), replicas)
+        best = max(reach.values(), default=0)
+        if best <= common:
+            return None
+        if not any(d > views_common for d in views_reach.values()):
+            return reach, common
+        home = max((r for r in replicas if reach[r] == best), key=views_reach.__getitem__)
+        if views_reach[home] < max(views_reach.values()) or views_reach[home] >= best:
+            return None
+        credited = dict(views_reach)
+        credited[home] = best
+        return credited, views_common
 
     def routed(self, decision: object, replica: int) -> None:
         """The last ``specific_matches`` request went to ``replica``: its blocks count as held
@@ -549,13 +688,29 @@ class PreciseMatcher:
         Keyed by the decision object's identity: every routed decision is written here when it
         is made, so a reused id is overwritten before it can be read."""
         view = self.views.get(replica)
-        if view is not None and view.usable:
-            view.expect(self._keys, self._clock())
+        token = id(decision)
+        if token in self._pending:  # an unanswered decision's id, reused: it is over
+            self.outcome(decision)
+        if view is not None:
+            if view.usable:
+                view.expect(self._keys, self._clock())
+            view.hold(token, self._keys, self._clock())
         pending = self._pending
         if len(pending) >= MAX_PENDING_PREDICTIONS:
-            pending.popitem(last=False)
-        pending[id(decision)] = (self._reach.get(replica, 0), bool(self._live_mask >> replica & 1))
+            old, (_, _, at) = pending.popitem(last=False)
+            if at in self.views:
+                self.views[at].release(old)
+        live = bool(self._live_mask >> replica & 1)
+        pending[token] = (self._reach.get(replica, 0), live, replica)
 
     def outcome(self, decision: object) -> tuple[int, bool] | None:
-        """(expected blocks, from a live view) for ``decision``, forgetting it."""
-        return self._pending.pop(id(decision), None)
+        """(expected blocks, from a live view) for ``decision``, forgetting it: its answer came
+        back, so the request no longer pins its blocks on its replica."""
+        token = id(decision)
+        entry = self._pending.pop(token, None)
+        if entry is None:
+            return None
+        view = self.views.get(entry[2])
+        if view is not None:
+            view.release(token)
+        return entry[0], entry[1]
