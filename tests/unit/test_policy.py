@@ -358,3 +358,84 @@ def test_roomy_or_unknown_caches_have_no_own_wait_term() -> None:
     assert CostBased()._own_wait_beyond_fleet(roomy) is None
     fleet[2] = dataclasses.replace(fleet[2], kv_capacity_tokens=0)
     assert CostBased()._own_wait_beyond_fleet(fleet) is None
+
+
+# Agentic x2's start-up burst (bench/results/routing_r6.md): groups of 8 rollouts share a
+# 1,978-token first prompt (400 of them the common template, held everywhere) and arrive back to
+# back on an idle fleet of H100-sized caches, where no memory term is priced.
+PROMPT, SPECIFIC_BLOCKS, TAIL = 1978, 98, 14
+H100_TOKENS = 140_000 * 16
+
+
+def _burst(policy: CostBased, groups: int, size: int, replicas: int = 2) -> list[list[int]]:
+    """Routes ``groups`` groups of ``size`` members, member after member and nothing finishing,
+    as the burst does; returns each group's replicas in order. A replica holds a group's prompt
+    once a member was sent there."""
+    loads = [0] * replicas
+    picks: list[list[int]] = []
+    for _ in range(groups):
+        holders: set[int] = set()
+        picks.append([])
+        for _ in range(size):
+            fleet = [
+                Candidate(r, loads[r], SPECIFIC_BLOCKS, TAIL, PROMPT, H100_TOKENS)
+                if r in holders
+                else Candidate(r, loads[r], 0, PROMPT - 400, PROMPT, H100_TOKENS)
+                for r in range(replicas)
+            ]
+            r = policy.choose(fleet).replica
+            holders.add(r)
+            loads[r] += 1
+            picks[-1].append(r)
+    return picks
+
+
+def test_the_decode_neighbours_priced_are_the_larger_of_the_load_and_the_projected() -> None:
+    model = CostModel()
+    idle = Candidate(1, 0, 0, 1578)
+    assert model.cost(idle, projected_load=31) == pytest.approx(1578 * 10e-6 + 31 * LOAD_UNIT_S)
+    busy = Candidate(0, 40, 0, 0)
+    assert (
+        model.cost(busy, projected_load=31) == model.cost(busy) == pytest.approx(40 * LOAD_UNIT_S)
+    )
+
+
+def test_a_start_up_burst_keeps_each_group_whole_and_alternates_the_groups() -> None:
+    """Each member after a group's first sees its holder one request busier than the other
+    replica: pricing that one decode neighbour (60 ms) against a second prefill of the prompt
+    (16 ms) split the group. In a ramp from an idle fleet the rest of the burst evens the loads
+    out, so both replicas are priced at the load they will carry (the cold-start 128 in flight:
+    63 neighbours each) and the prefill decides: the group stays, and each group's first member
+    goes where the prefill stalls fewer requests: two groups on each replica."""
+    picks = _burst(CostBased(), groups=4, size=8)
+    assert [len(set(group)) for group in picks] == [1, 1, 1, 1]
+    assert sorted(group[0] for group in picks) == [0, 0, 1, 1]
+    assert picks[1][0] == 1 - picks[0][0]
+
+
+def test_in_a_ramp_a_group_spreads_past_its_holders_share_of_the_concurrency() -> None:
+    """A fleet that will carry 16 requests on 2 replicas: 8 each. A group of 12 keeps its
+    first 8 on the holder; the 9th would make it carry more than the burst can even out, and
+    from there the group spreads as outside a ramp."""
+    [group] = _burst(CostBased(concurrency=16.0), groups=1, size=12)
+    holder = group[0]
+    assert group == [holder] * 8 + [1 - holder] * 4
+
+
+def test_the_ramp_ends_when_a_request_finishes_and_restarts_from_an_idle_fleet() -> None:
+    policy = CostBased()
+    holder = Candidate(0, 1, SPECIFIC_BLOCKS, TAIL, PROMPT, H100_TOKENS)
+    other = Candidate(1, 0, 0, PROMPT - 400, PROMPT, H100_TOKENS)
+    idle = [dataclasses.replace(c, load=0) for c in (holder, other)]
+    # Not seen idle (the first decision of a policy started under load): not a ramp.
+    assert policy.choose([holder, other]).outcome == "spilled"
+    policy.choose(idle)
+    assert policy.choose([holder, other]).outcome == "affinity"
+    # The same loads again: a request finished in between, so the burst is over.
+    assert policy.choose([holder, other]).outcome == "spilled"
+    policy.choose(idle)
+    assert policy.choose([holder, other]).outcome == "affinity"
+    # Load this policy did not route (3 in flight after it routed 1): not its ramp.
+    policy.choose(idle)
+    jumped = [dataclasses.replace(holder, load=2), dataclasses.replace(other, load=1)]
+    assert policy.choose(jumped).outcome == "spilled"
