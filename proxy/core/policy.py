@@ -166,11 +166,7 @@ class CostModel:
     decode_step_base_s: float = 4e-3
 
     def cost(
-        self,
-        candidate: Candidate,
-        duplicate_tokens: int = 0,
-        projected_waiting: float = 0.0,
-        projected_load: float = 0.0,
+        self, candidate: Candidate, duplicate_tokens: int = 0, projected_waiting: float = 0.0
     ) -> float:
         """Latency added to all requests by sending this one to ``candidate``'s replica.
 
@@ -178,17 +174,6 @@ class CostModel:
         already there stalls for as long (a prefill step holds the batch). Decode: each step of
         this request reads the other ``load`` sequences' KV, and each of theirs reads this one's,
         for about ``expected_output_tokens`` steps: 2 * load * tokens * per-sequence step cost.
-
-        Projected decode neighbours (``projected_load``: :meth:`CostBased.choose` sets it in a
-        start-up ramp): ``load`` is the batch the request joins *now*, but its decode lasts
-        hundreds of steps, and while the fleet is still filling up to its concurrency the
-        requests that follow go to the less loaded replicas and even the loads out within that
-        time. The batch the request then shares is the one the replica carries once the
-        fleet's concurrency is reached, at least its share of it: the neighbours priced are
-        the larger of ``load`` and ``projected_load``. Between replicas all below their share
-        the term is equal and the prefill decides (a group's members, which the current loads
-        split for 60 ms of one transient neighbour against 16 ms of a second prefill, stay
-        together); a replica past its share is priced at its real load, as outside a ramp.
 
         Memory, when the replica's KV capacity is known: a cache that holds ``slots`` requests
         like this one (prompt plus expected output) runs at most that many; the rest wait for
@@ -218,8 +203,7 @@ class CostModel:
         new_tokens = candidate.new_tokens if candidate.new_tokens > 0 else 0
         output = self.expected_output_tokens
         cost = new_tokens * self.prefill_s_per_token * (1.0 + load)
-        neighbours = load if load > projected_load else projected_load
-        cost += 2.0 * neighbours * output * self.decode_s_per_seq_step
+        cost += 2.0 * load * output * self.decode_s_per_seq_step
         capacity = candidate.kv_capacity_tokens
         # slots() and hold_seconds() written inline: this runs per candidate on every request.
         if capacity > 0:
@@ -265,13 +249,7 @@ CONCURRENCY_MEMORY_DECISIONS = 1024
 # replicas per group, was 1.00; 4,682 / 4,806 tok/s against 4,841 / 5,067 on seeds 0 / 3), so
 # at the measured concurrency the projected term under-prices a copy, and the prior's slow decay
 # (to ~68 over a 650-request run) is doing work beyond the burst (bench/results/routing_r6.md).
-# The same figure sizes the decode neighbours a start-up ramp is priced at (CostBased._ramp_share).
 COLD_START_CONCURRENCY = 128.0
-
-
-def _in_flight(candidates: Sequence[Candidate]) -> float:
-    """Requests in flight on the candidates, this one included."""
-    return 1.0 + sum(c.load for c in candidates if c.load > 0.0)
 
 
 class CostBased(_RoundRobinTies):
@@ -281,8 +259,7 @@ class CostBased(_RoundRobinTies):
     :data:`CONCURRENCY_MEMORY_DECISIONS`), which with the scraped KV capacities says whether the
     fleet's caches will hold every context in flight; where they will not, a placement that
     copies a prefix another replica holds is priced for the memory it takes
-    (:meth:`CostModel.cost`). The same concurrency prices decode interference in a start-up
-    ramp, where the loads in flight are transient (:meth:`_ramp_share`)."""
+    (:meth:`CostModel.cost`)."""
 
     name = "cost"
     uses_prefix = True
@@ -293,13 +270,11 @@ class CostBased(_RoundRobinTies):
         super().__init__()
         self.model = model or CostModel()
         self.concurrency = concurrency
-        self._ramping = False
-        self._last_in_flight = 0.0
 
     def _projected_excess(self, candidates: Sequence[Candidate]) -> tuple[float, int]:
         """(contexts the fleet will carry beyond what its caches hold, fleet capacity in
         tokens); (0, 0) while any candidate's capacity is unknown."""
-        in_flight = _in_flight(candidates)
+        in_flight = 1.0 + sum(c.load for c in candidates if c.load > 0.0)
         decayed = self.concurrency * (1.0 - 1.0 / CONCURRENCY_MEMORY_DECISIONS)
         self.concurrency = max(in_flight, decayed)
         fleet_capacity = 0
@@ -311,33 +286,6 @@ class CostBased(_RoundRobinTies):
         # the proxy does not see the others' growth, and a group's members share this shape.
         context = max(candidates[0].prompt_tokens, 0) + self.model.expected_output_tokens
         return self.concurrency - fleet_capacity / context, fleet_capacity
-
-    def _ramp_share(self, candidates: Sequence[Candidate]) -> float:
-        """In a start-up ramp, the decode neighbours this request will have once the fleet
-        carries its concurrency (each candidate's even share of it, less this request); 0
-        outside one (:meth:`CostModel.cost`, ``projected_load``).
-
-        A ramp starts at a decision that finds nothing else in flight (an idle fleet: the
-        proxy's start, or a fleet drained between bursts) and lasts while each decision finds
-        exactly one request more in flight than the one before, the one that decision routed:
-        none has finished, so the fleet is still filling and the requests that follow will even
-        out its loads. Any other count ends it (a request finished and another took its place,
-        or load this policy did not route appeared): from there the loads in flight are the
-        steady state's, and priced as they are. The concurrency is the
-        one the memory term uses (:data:`COLD_START_CONCURRENCY` until a burst has been seen):
-        where it overstates the fleet's (the benchmark keeps 64 in flight, the prior says 128),
-        a group is kept whole on a replica whose share of the real concurrency is smaller than
-        the group (x16: 4 per replica), and the replicas the burst leaves idle take the next
-        turns."""
-        in_flight = _in_flight(candidates)
-        if in_flight <= 1.0:
-            self._ramping = True
-        elif in_flight != self._last_in_flight + 1.0:
-            self._ramping = False
-        self._last_in_flight = in_flight
-        if not self._ramping:
-            return 0.0
-        return self.concurrency / len(candidates) - 1.0
 
     def _holder_has_room(self, candidates: Sequence[Candidate], fewest_new: int) -> bool:
         """Whether a replica holding most of the prompt (``fewest_new`` new tokens) can take the
@@ -401,7 +349,6 @@ class CostBased(_RoundRobinTies):
         if not candidates:
             raise ValueError("no candidates")
         excess, fleet_capacity = self._projected_excess(candidates)
-        shared = self._ramp_share(candidates)
         fewest_new = min(max(c.new_tokens, 0) for c in candidates) if excess > 0.0 else 0
         if excess > 0.0 and self._holder_has_room(candidates, fewest_new):
             costs = [
@@ -409,12 +356,11 @@ class CostBased(_RoundRobinTies):
                     c,
                     duplicate_tokens=max(c.new_tokens, 0) - fewest_new,
                     projected_waiting=excess * c.kv_capacity_tokens / fleet_capacity,
-                    projected_load=shared,
                 )
                 for c in candidates
             ]
         else:
-            costs = [self.model.cost(c, projected_load=shared) for c in candidates]
+            costs = [self.model.cost(c) for c in candidates]
         own_wait = self._own_wait_beyond_fleet(candidates)
         if own_wait is not None:
             costs = [cost + wait for cost, wait in zip(costs, own_wait, strict=True)]

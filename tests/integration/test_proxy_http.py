@@ -150,11 +150,7 @@ def test_new_adapter_version_starts_unmatched(make_fleet) -> None:
 
 async def test_affinity_yields_to_imbalance(make_fleet) -> None:
     fakes = [FakeVllm(name=f"r{i}", completion_delay_s=0.5) for i in range(2)]
-    # `imbalance` is the prefix policy's threshold. The default cost policy keeps a lone group
-    # bursting onto an idle fleet whole: it prices the burst at the concurrency it assumes
-    # until it has seen one (proxy/core/policy.py CostBased._ramp_share); its spills are
-    # tested in tests/unit/test_policy.py and test_router.py.
-    h = make_fleet(fakes=fakes, imbalance=4, policy="prefix")
+    h = make_fleet(fakes=fakes, imbalance=4)
     p = make_prompt(random.Random(3))
     async with httpx.AsyncClient(base_url=h.proxy.url, timeout=30) as client:
         responses = await asyncio.gather(
