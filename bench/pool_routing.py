@@ -10,6 +10,7 @@ means (the same targets as bench/results/routing.md).
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import statistics
@@ -76,11 +77,12 @@ def verdicts(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def paired(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+def paired(runs: Sequence[dict[str, Any]], others: Sequence[str] = OTHERS) -> list[dict[str, Any]]:
     """Per cell and other router, ``proxy``'s throughput over theirs seed by seed (both in the
     same run: same seed, same plan, minutes apart), with the mean, spread and range of those
     ratios. A gap smaller than the spread of the paired ratios is not one the seeds can tell
-    from noise; a proxy behind on every seed is consistently behind."""
+    from noise; a proxy behind on every seed is consistently behind. ``others``: the routers
+    paired against (``--against``, e.g. a variant of the proxy run in the same folders)."""
     ratios: dict[tuple[str, int, str], list[float]] = {}
     for run in runs:
         ok = {
@@ -90,7 +92,7 @@ def paired(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         }
         for (workload, replicas, router), tok_s in ok.items():
             ours = ok.get((workload, replicas, "proxy"))
-            if router in OTHERS and ours is not None and tok_s > 0:
+            if router in others and ours is not None and tok_s > 0:
                 ratios.setdefault((workload, replicas, router), []).append(ours / tok_s)
     return [
         {
@@ -185,11 +187,20 @@ def render(rows: Sequence[dict[str, Any]], judged: Sequence[dict[str, Any]], sou
 
 
 def main(argv: Sequence[str]) -> None:
-    out, dirs = Path(argv[0]), [Path(d) for d in argv[1:]]
+    parser = argparse.ArgumentParser(prog="python -m bench.pool_routing", description=__doc__)
+    parser.add_argument("out", type=Path, help="writes OUT.md and OUT.json")
+    parser.add_argument("dirs", type=Path, nargs="+", help="run folders (their routing.json)")
+    parser.add_argument(
+        "--against",
+        default=",".join(OTHERS),
+        help="comma-separated routers to pair `proxy` against (default: %(default)s)",
+    )
+    args = parser.parse_args(argv)
+    out, dirs = args.out, args.dirs
     runs = [json.loads((d / "routing.json").read_text()) for d in dirs]
     rows = pool(runs)
     judged = verdicts(rows)
-    pairs = paired(runs)
+    pairs = paired(runs, tuple(args.against.split(",")))
     commands = [r.get("command") for r in runs]
     out.with_suffix(".json").write_text(
         json.dumps(

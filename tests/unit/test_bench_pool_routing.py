@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
-from bench.pool_routing import paired, pool, render, render_paired, verdicts
+from bench.pool_routing import main, paired, pool, render, render_paired, verdicts
 
 
 def _run(tok_s: dict[str, float], p99: float = 5.0) -> dict[str, object]:
@@ -61,3 +63,29 @@ def test_paired_ratios_compare_routers_within_each_run() -> None:
     assert math.isclose(by_other["vllm-router"]["mean"], (1.25 + 0.8 + 1.0) / 3)
     assert math.isnan(by_other["proxy-ll"]["stdev"])
     assert "2 of 3" in render_paired(paired(runs))
+
+
+def test_against_pairs_the_proxy_with_a_variant_run_in_the_same_folders(tmp_path: Path) -> None:
+    """An A/B of a policy change: the candidate runs as `proxy`, main's rule as another router
+    in the same run folder (same seed, same plan), and only that pair is reported."""
+    runs = [
+        _run({"proxy": 5100, "proxy-base": 5000, "vllm-router": 4000}),
+        _run({"proxy": 4900, "proxy-base": 5000, "vllm-router": 4000}),
+    ]
+    (pair,) = paired(runs, others=("proxy-base",))
+    assert (pair["other"], pair["ratios"], pair["ahead"]) == ("proxy-base", [1.02, 0.98], 1)
+    for seed, run in enumerate(runs):
+        (tmp_path / f"s{seed}").mkdir()
+        (tmp_path / f"s{seed}" / "routing.json").write_text(json.dumps(run))
+    main(
+        [
+            str(tmp_path / "ab"),
+            str(tmp_path / "s0"),
+            str(tmp_path / "s1"),
+            "--against",
+            "proxy-base",
+        ]
+    )
+    out = json.loads((tmp_path / "ab.json").read_text())
+    assert [p["other"] for p in out["paired"]] == ["proxy-base"]
+    assert "1.020 / 0.980" in (tmp_path / "ab.md").read_text()
