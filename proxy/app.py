@@ -40,7 +40,7 @@ from proxy.probes import Probes
 from proxy.relay import make_relay
 from proxy.security.adapter_roots import AdapterRoots
 from proxy.security.guard import Guard, SecurityMiddleware
-from proxy.security.limits import PromptLimits, smallest_max_model_len
+from proxy.security.limits import PromptLimits
 from proxy.security.redaction import redact, settings_secrets
 from proxy.security.schemas import CHAT_BODY, COMPLETION_BODY, LOAD_BODY, UNLOAD_BODY
 from proxy.settings import Settings
@@ -263,7 +263,7 @@ def _data_path(rt: Runtime, echo_secrets: tuple[str, ...]) -> DataPath:
     limits = PromptLimits(
         rt.settings.max_prompt_tokens,
         rt.settings.max_batch_prompts,
-        lambda: smallest_max_model_len(rt.fleet.replicas),
+        lambda: rt.fleet.max_len_bound,  # kept up to date by the fleet (proxy/core/fleet.py)
     )
     return DataPath(
         rt.guard,

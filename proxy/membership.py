@@ -115,7 +115,7 @@ class Membership:
             await asyncio.sleep(0.05)
         abandoned = replica.in_flight
         async with self.control.lock:
-            replica.status = Status.REMOVED
+            self.fleet.remove(index)
         self.control.router.forget_replica(index)
         self.metrics.replica_healthy.labels(str(index)).set(0)
         log.info("replica %d removed (%d requests still in flight)", index, abandoned)

@@ -6,7 +6,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from proxy.core.extract import RoutingKey
-from proxy.core.fleet import Replica, Status
 from proxy.errors import InvalidRequest, PayloadTooLarge
 
 # Without PROXY_MAX_PROMPT_TOKENS and before any replica reported its max_model_len: 2**20
@@ -70,20 +69,6 @@ def fleet_max_model_len(lengths: Iterable[int | None]) -> int | None:
     """The smallest max_model_len any replica reported (what every replica can serve)."""
     known = [n for n in lengths if n]
     return min(known) if known else None
-
-
-def smallest_max_model_len(replicas: Iterable[Replica]) -> int | None:
-    """``fleet_max_model_len`` of the fleet's members, read from its replica list in one loop:
-    the data path asks for it on every token prompt (``PromptLimits.token_limit``), where
-    ``Fleet.members()``, a generator and a second list cost ~1.5 us a request (1.1% of the
-    proxy's samples under load). Read each time, not cached: a replica that reports a smaller
-    max_model_len, or leaves, bounds the very next request."""
-    smallest = None
-    for replica in replicas:
-        n = replica.max_model_len
-        if n and replica.status is not Status.REMOVED and (smallest is None or n < smallest):
-            smallest = n
-    return smallest
 
 
 class BodyTooLarge(PayloadTooLarge):

@@ -44,6 +44,26 @@ def test_loads_are_the_eligible_replicas_not_yet_tried() -> None:
     assert fleet.loads("base", {3}) == [(0, 0), (1, 0)]
 
 
+def test_max_len_bound_follows_reports_and_removals() -> None:
+    """The prompt limit's bound (read per request) is the members' smallest max_model_len as of
+    the last change: a smaller report or a removal applies to the very next request."""
+    fleet = Fleet([f"http://r{i}" for i in range(3)])
+    assert fleet.max_len_bound is None
+    fleet.record_models(0, "base", 4096, {})
+    fleet.record_models(1, "base", None, {})
+    assert fleet.max_len_bound == 4096
+    fleet.record_models(2, "base", 1024, {})
+    assert fleet.max_len_bound == 1024
+    fleet.remove(2)
+    assert fleet.replicas[2].status is Status.REMOVED
+    assert fleet.max_len_bound == 4096
+    fleet.record_models(0, "base", 2048, {})  # restarted with a shorter context
+    assert fleet.max_len_bound == 2048
+    fleet.add("http://r3")
+    fleet.record_models(3, "base", 512, {})
+    assert fleet.max_len_bound == 512
+
+
 def test_ejected_and_draining_take_no_traffic() -> None:
     fleet = ready_fleet(3)
     assert fleet.record_failure(0, "refused") is True

@@ -15,7 +15,7 @@ import pytest
 from pydantic import ValidationError
 
 from proxy.core.extract import extract_chat, extract_completion
-from proxy.core.fleet import Fleet, Status
+from proxy.core.fleet import Fleet, Status, smallest_max_model_len
 from proxy.errors import InvalidRequest
 from proxy.security import (
     FALLBACK_MAX_PROMPT_TOKENS,
@@ -35,7 +35,7 @@ from proxy.security import (
     secret_key,
     settings_secrets,
 )
-from proxy.security.limits import fleet_max_model_len, smallest_max_model_len
+from proxy.security.limits import fleet_max_model_len
 from proxy.settings import Settings
 from proxy.upstream import tls_verify, translate
 
