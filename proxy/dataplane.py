@@ -167,10 +167,14 @@ class DataPlane:
         headers = {"content-type": "application/json", "x-request-id": request_id}
         lora_path = fleet.lora_path(model)
         while True:
-            loads = fleet.loads(model, tried)
-            if not loads:
+            eligible = fleet.eligible(model)
+            if tried:
+                eligible = [r for r in eligible if r.index not in tried]
+            if not eligible:
                 raise self._no_replica(model, tried)
-            decision = self.router.route(key, loads, lora_path)
+            decision = self.router.route(
+                key, [(r.index, r.in_flight + r.queue_depth) for r in eligible], lora_path
+            )
             self.metrics.count_decision(decision.outcome, decision.matched_blocks)
             replica = fleet.replicas[decision.replica]
             index = replica.index

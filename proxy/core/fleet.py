@@ -198,24 +198,6 @@ class Fleet:
             return ready
         return [r for r in ready if model in r.adapters]
 
-    def loads(self, model: str, tried: set[int]) -> list[tuple[int, float]]:
-        """``(index, in_flight + queue_depth)`` of each ``eligible(model)`` replica not in
-        ``tried``: what the router is given per attempt, built in one pass over the replicas
-        (the data path asks on every completion; ``eligible`` and then a second list over it
-        cost two list comprehensions and a call more). Read each time, never cached: a change
-        of state applies to the very next request."""
-        if self.is_base_model(model):
-            return [
-                (r.index, r.in_flight + r.queue_depth)
-                for r in self.replicas
-                if r.status is Status.READY and r.index not in tried
-            ]
-        return [
-            (r.index, r.in_flight + r.queue_depth)
-            for r in self.replicas
-            if r.status is Status.READY and model in r.adapters and r.index not in tried
-        ]
-
     def known_anywhere(self, model: str) -> bool:
         return any(model in r.adapters for r in self.replicas) or model in self.desired_adapters
 

@@ -23,27 +23,6 @@ def test_only_replicas_with_the_adapter_are_eligible() -> None:
     assert fleet.known_anywhere("trl-policy-v1") and not fleet.known_anywhere("x")
 
 
-def test_loads_are_the_eligible_replicas_not_yet_tried() -> None:
-    """What the data path hands the router per attempt: ``eligible`` less ``tried``, each with
-    its load, read afresh on every call (a change applies to the next request)."""
-    fleet = ready_fleet(4)
-    fleet.published("trl-policy-v1", "/a/1", [0, 2, 3])
-    fleet.replicas[0].in_flight = 3
-    fleet.replicas[2].queue_depth = 1.5
-    for model in ("base", "", "trl-policy-v1", "trl-policy-v9"):
-        for tried in (set(), {0}, {2, 3}, {0, 1, 2, 3}):
-            assert fleet.loads(model, tried) == [
-                (r.index, r.in_flight + r.queue_depth)
-                for r in fleet.eligible(model)
-                if r.index not in tried
-            ]
-    assert fleet.loads("trl-policy-v1", {3}) == [(0, 3), (2, 1.5)]
-    fleet.replicas[2].status = Status.DRAINING
-    fleet.replicas[0].in_flight = 0
-    assert fleet.loads("trl-policy-v1", set()) == [(0, 0), (3, 0)]
-    assert fleet.loads("base", {3}) == [(0, 0), (1, 0)]
-
-
 def test_max_len_bound_follows_reports_and_removals() -> None:
     """The prompt limit's bound (read per request) is the members' smallest max_model_len as of
     the last change: a smaller report or a removal applies to the very next request."""
