@@ -131,17 +131,6 @@ def adapter_version(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def smallest_max_model_len(replicas: Iterable[Replica]) -> int | None:
-    """The smallest max_model_len any member of the fleet reported (what every replica can
-    serve), read from its replica list in one loop (no ``members()`` generator and list)."""
-    smallest = None
-    for replica in replicas:
-        n = replica.max_model_len
-        if n and replica.status is not Status.REMOVED and (smallest is None or n < smallest):
-            smallest = n
-    return smallest
-
-
 class Fleet:
     def __init__(self, urls: Iterable[str], eject_after: int = 1) -> None:
         self.replicas: list[Replica] = [Replica(i, u) for i, u in enumerate(urls)]
@@ -152,10 +141,11 @@ class Fleet:
         self.desired_paused = False
         self.pause_query = ""  # query string of the last pause, re-applied on reconcile
         self.base_model: str | None = None
-        # ``smallest_max_model_len(self.replicas)``, kept up to date by the only two changes that
-        # move it (``record_models`` and ``remove``) rather than computed on every token prompt
-        # (the data path's prompt limit reads it per request: ~0.5 us a request in the loop).
-        # Set synchronously at each change, so a change still applies to the very next request.
+        # The smallest max_model_len any member reported (what every replica can serve; None
+        # before any did): the data path's prompt limit reads it per request, so it is kept up to
+        # date by the only two changes that move it (``record_models`` and ``remove``), not
+        # computed per token prompt (~0.5 us a request). Set synchronously at each change, so a
+        # change still applies to the very next request.
         self.max_len_bound: int | None = None
 
     # -- membership -------------------------------------------------------------------------
@@ -168,7 +158,11 @@ class Fleet:
     def remove(self, index: int) -> None:
         """Take replica ``index`` out of the fleet for good (its index is never reused)."""
         self.replicas[index].status = Status.REMOVED
-        self.max_len_bound = smallest_max_model_len(self.replicas)
+        self._update_max_len_bound()
+
+    def _update_max_len_bound(self) -> None:
+        known = [r.max_model_len for r in self.members() if r.max_model_len]
+        self.max_len_bound = min(known) if known else None
 
     def get(self, index: int) -> Replica:
         if not 0 <= index < len(self.replicas) or self.replicas[index].status is Status.REMOVED:
@@ -244,7 +238,7 @@ class Fleet:
         replica.last_error = None
         replica.base_model = base_model
         replica.max_model_len = max_model_len
-        self.max_len_bound = smallest_max_model_len(self.replicas)
+        self._update_max_len_bound()
         replica.adapters = dict(adapters)
         replica.paused_observed = paused is not None
         if paused is not None:

@@ -50,7 +50,6 @@ from proxy.security.limits import (
     BodyTooLarge,
     HeadersTooLarge,
     PromptLimits,
-    fleet_max_model_len,
 )
 from proxy.security.planes import ADMIN_PATHS, OPEN_PATHS, Plane, classify, path_problem
 from proxy.security.posture import is_loopback, posture
@@ -88,7 +87,6 @@ __all__ = [
     "SecurityMiddleware",
     "classify",
     "credential_from",
-    "fleet_max_model_len",
     "install_log_redaction",
     "is_loopback",
     "mask",

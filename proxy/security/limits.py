@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 from proxy.core.extract import RoutingKey
@@ -63,12 +63,6 @@ class PromptLimits:
                 f"the prompt has {longest} tokens; at most {limit} are accepted ({source})",
                 param="prompt",
             )
-
-
-def fleet_max_model_len(lengths: Iterable[int | None]) -> int | None:
-    """The smallest max_model_len any replica reported (what every replica can serve)."""
-    known = [n for n in lengths if n]
-    return min(known) if known else None
 
 
 class BodyTooLarge(PayloadTooLarge):

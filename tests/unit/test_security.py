@@ -15,7 +15,7 @@ import pytest
 from pydantic import ValidationError
 
 from proxy.core.extract import extract_chat, extract_completion
-from proxy.core.fleet import Fleet, Status, smallest_max_model_len
+from proxy.core.fleet import Fleet
 from proxy.errors import InvalidRequest
 from proxy.security import (
     FALLBACK_MAX_PROMPT_TOKENS,
@@ -35,7 +35,6 @@ from proxy.security import (
     secret_key,
     settings_secrets,
 )
-from proxy.security.limits import fleet_max_model_len
 from proxy.settings import Settings
 from proxy.upstream import tls_verify, translate
 
@@ -252,18 +251,17 @@ def test_token_prompt_length_against_fleet_max_model_len() -> None:
     assert info.value.param == "prompt"
 
 
-def test_smallest_max_model_len_reads_members_only() -> None:
-    """What the app's limits read per request: the smallest reported length among members,
-    skipping replicas that reported none and removed ones, exactly fleet_max_model_len's."""
+def test_max_len_bound_reads_members_only() -> None:
+    """What the app's limits read per request (Fleet.max_len_bound): the smallest reported
+    length among members, skipping replicas that reported none and removed ones."""
     fleet = Fleet([f"http://r{i}" for i in range(4)])
-    assert smallest_max_model_len(fleet.replicas) is None
-    for replica, n in zip(fleet.replicas, (4096, None, 2048, 1024), strict=True):
-        replica.max_model_len = n
-    fleet.replicas[3].status = Status.REMOVED  # the smallest, but gone
-    assert smallest_max_model_len(fleet.replicas) == 2048
-    assert fleet_max_model_len(r.max_model_len for r in fleet.members()) == 2048
-    fleet.replicas[0].max_model_len = 512  # a replica reports a smaller one: the next request
-    assert smallest_max_model_len(fleet.replicas) == 512
+    assert fleet.max_len_bound is None
+    for index, n in enumerate((4096, None, 2048, 1024)):
+        fleet.record_models(index, "base", n, {})
+    fleet.remove(3)  # the smallest, but gone
+    assert fleet.max_len_bound == 2048
+    fleet.record_models(0, "base", 512, {})  # a replica reports a smaller one: the next request
+    assert fleet.max_len_bound == 512
 
 
 def test_setting_beats_fleet_and_fallback_applies_last() -> None:
