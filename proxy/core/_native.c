@@ -251,21 +251,32 @@ done:
     return result;
 }
 
-/* The keys of `blocks` consecutive `step`-byte blocks of `data`, chained: each block's key is
- * its XXH3-64 seeded with the previous key, the first seeded with `seed`. A new list. */
+/* vLLM's chained block hashes, the one loop every caller shares: the keys of `blocks`
+ * consecutive `step`-byte blocks of `data`, each block's key its XXH3-64 seeded with the
+ * previous key, the first seeded with `seed`. Key b goes to keys[b] as a new int (a list's or
+ * tuple's item array, or a plain array; slots past a failure stay as they were, NULL for a new
+ * list or tuple) and, where `values` is not NULL, to values[b]. Returns 0, or -1 with an
+ * exception set (out of memory). */
+static int chain_hashes(const char *data, Py_ssize_t blocks, size_t step, uint64_t seed,
+                        uint64_t *values, PyObject **keys) {
+    XXH64_hash_t h = (XXH64_hash_t)seed;
+    for (Py_ssize_t b = 0; b < blocks; b++) {
+        h = XXH3_64bits_withSeed(data + (size_t)b * step, step, h);
+        if (values != NULL) values[b] = h;
+        keys[b] = PyLong_FromUnsignedLongLong(h);
+        if (keys[b] == NULL) return -1;
+    }
+    return 0;
+}
+
+/* chain_hashes' keys as a new list. */
 static PyObject *chained_keys(const char *data, Py_ssize_t blocks, size_t step,
                               unsigned long long seed) {
     PyObject *keys = PyList_New(blocks);
     if (keys == NULL) return NULL;
-    XXH64_hash_t h = (XXH64_hash_t)seed;
-    for (Py_ssize_t b = 0; b < blocks; b++) {
-        h = XXH3_64bits_withSeed(data + (size_t)b * step, step, h);
-        PyObject *key = PyLong_FromUnsignedLongLong(h);
-        if (key == NULL) {
-            Py_DECREF(keys);
-            return NULL;
-        }
-        PyList_SET_ITEM(keys, b, key);
+    if (blocks > 0 && chain_hashes(data, blocks, step, seed, NULL, &PyList_GET_ITEM(keys, 0)) < 0) {
+        Py_DECREF(keys);
+        return NULL;
     }
     return keys;
 }
@@ -1121,17 +1132,9 @@ static PyObject *route_tokens(PyObject *self, PyObject *const *args, Py_ssize_t 
     uint64_t *values = key_values + n;
     blocks = PyTuple_New(n);
     if (blocks == NULL) goto done;
-    {
-        XXH64_hash_t h = (XXH64_hash_t)seed;
-        size_t step = (size_t)block_size * (size_t)view.itemsize;
-        for (Py_ssize_t b = 0; b < n; b++) {
-            h = XXH3_64bits_withSeed((const char *)view.buf + (size_t)b * step, step, h);
-            key_values[b] = h;
-            PyObject *key = PyLong_FromUnsignedLongLong(h);
-            if (key == NULL) goto done;
-            PyTuple_SET_ITEM(blocks, b, key);
-        }
-    }
+    if (n > 0 && chain_hashes(view.buf, n, (size_t)block_size * (size_t)view.itemsize, seed,
+                              key_values, &PyTuple_GET_ITEM(blocks, 0)) < 0)
+        goto done;
     PyObject **keys = &PyTuple_GET_ITEM(blocks, 0);
 
     /* -- values = self.index.lookup(blocks) -- */
@@ -1304,14 +1307,9 @@ static PyObject *learn_tokens(PyObject *self, PyObject *const *args, Py_ssize_t 
         key_values[b] = v;
         keys[b] = Py_NewRef(key);
     }
-    XXH64_hash_t h = (XXH64_hash_t)key_values[n_blocks - 1];
-    size_t step = (size_t)block_size * 4;
-    for (Py_ssize_t b = 0; b < n_more; b++) {
-        h = XXH3_64bits_withSeed((const char *)ids + (size_t)b * step, step, h);
-        key_values[n_blocks + b] = h;
-        keys[n_blocks + b] = PyLong_FromUnsignedLongLong(h);
-        if (keys[n_blocks + b] == NULL) goto done;
-    }
+    if (chain_hashes((const char *)ids, n_more, (size_t)block_size * 4, key_values[n_blocks - 1],
+                     key_values + n_blocks, keys + n_blocks) < 0)
+        goto done;
 
     if (gens_open(&g) < 0) goto done;
     uint64_t holder = (1ull << replica) << HOLDERS_SHIFT;
