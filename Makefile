@@ -60,9 +60,9 @@ PYTEST_WORKERS ?= 2
 # environment sets PYTHONDONTWRITEBYTECODE (this machine's does; so does the image), each one
 # recompiled torch / transformers / TRL from source: `python -c 'import torch, transformers, peft,
 # trl, accelerate, trl.experimental.async_grpo'` took 18.5-20.2 s against 8.1-8.6 s from a warm
-# cache (3 interleaved rounds, round 8), and the suite 467 s against 331 s (.ci/run). The cache
-# lives in the venv (rebuilt with it, never in the source tree); Python checks each entry against
-# its source's mtime and size, and writes it atomically (parallel workers share it).
+# cache (3 interleaved rounds, round 8), and the suite 413-467 s against 325-334 s (.ci/run).
+# The cache lives in the venv (rebuilt with it, never in the source tree); Python checks each
+# entry against its source's mtime and size, and writes it atomically (parallel workers share it).
 PYCACHE_ENV := PYTHONPYCACHEPREFIX=$(abspath $(VENV))/pycache PYTHONDONTWRITEBYTECODE=
 
 test: setup lint
