@@ -429,7 +429,9 @@ class Spied:
 
 
 def policy_state(router: Router) -> Any:
-    return vars(router.policy).get("concurrency"), router.policy._turn  # type: ignore[attr-defined]
+    state = vars(router.policy)
+    learned = state.get("concurrency"), state.get("expected_output_tokens")
+    return learned, router.policy._turn  # type: ignore[attr-defined]
 
 
 # KV capacities per replica: unknown, small (~1 context of the workload: the projected and
