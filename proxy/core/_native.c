@@ -591,8 +591,7 @@ typedef struct {
     long long capacity;  /* Candidate.kv_capacity_tokens */
 } Cand;
 
-/* CostModel's fields (policy.py); `output` is CostBased.expected_output_tokens, the completion
- * length learned from the run (its prior the model's), passed to every CostModel method. */
+/* CostModel's fields (policy.py). */
 typedef struct {
     double prefill, decode_seq, output, step_base;
 } Model;
@@ -616,7 +615,7 @@ static double model_cost(const Model *m, const Cand *c, long long duplicate_toke
     double load = c->load > 0.0 ? c->load : 0.0;
     /* new_tokens = candidate.new_tokens if candidate.new_tokens > 0 else 0 */
     long long new_tokens = c->new_tokens > 0 ? c->new_tokens : 0;
-    /* output: the argument CostBased passes (its learned expected_output_tokens) */
+    /* output = self.expected_output_tokens */
     double output = m->output;
     /* cost = new_tokens * self.prefill_s_per_token * (1.0 + load) */
     double cost = (double)new_tokens * m->prefill * (1.0 + load);
@@ -644,7 +643,7 @@ static double model_cost(const Model *m, const Cand *c, long long duplicate_toke
     return cost;
 }
 
-/* CostModel.slots: capacity / (max(prompt_tokens, 0) + output) */
+/* CostModel.slots: capacity / (max(prompt_tokens, 0) + expected_output_tokens) */
 static double model_slots(const Model *m, const Cand *c) {
     double context = (double)(c->prompt > 0 ? c->prompt : 0) + m->output;
     return (double)c->capacity / context;
@@ -705,7 +704,7 @@ static Py_ssize_t cost_choose(const Model *m, const Cand *cands, Py_ssize_t n, d
         fleet_capacity += cands[i].capacity;
     }
     if (capacities_known) {
-        /* context = max(candidates[0].prompt_tokens, 0) + self.expected_output_tokens */
+        /* context = max(candidates[0].prompt_tokens, 0) + self.model.expected_output_tokens */
         double context = (double)(cands[0].prompt > 0 ? cands[0].prompt : 0) + m->output;
         /* return self.concurrency - fleet_capacity / context, fleet_capacity */
         excess = *concurrency - (double)fleet_capacity / context;
@@ -1086,8 +1085,7 @@ static PyObject *route_tokens(PyObject *self, PyObject *const *args, Py_ssize_t 
         model = PyObject_GetAttr(policy, s_model);
         if (model == NULL || float_attr(model, s_prefill, 0, &m.prefill, &ok) < 0 ||
             float_attr(model, s_decode_seq, 0, &m.decode_seq, &ok) < 0 ||
-            /* the completion length priced: the policy's learned one (observe_output) */
-            float_attr(policy, s_output, 0, &m.output, &ok) < 0 ||
+            float_attr(model, s_output, 0, &m.output, &ok) < 0 ||
             float_attr(model, s_step_base, 0, &m.step_base, &ok) < 0 ||
             float_attr(policy, s_concurrency, 1, &concurrency, &ok) < 0)
             goto done;

@@ -152,9 +152,7 @@ class CostModel:
       is ~7.7k generated tokens/s per replica, what a 4 ms + 0.05 ms/sequence step gives at a
       batch of ~50.
     - ``expected_output_tokens`` 600: the median completion of Qwen2.5-Math-1.5B on MATH (the
-      recipe's task). The proxy does not see how long a request will decode, so this is the
-      prior only: :class:`CostBased` prices the mean of the run's observed completions
-      (:meth:`CostBased.observe_output`) once it has seen enough of them.
+      recipe's task); the proxy does not see how long a request will decode.
     - ``decode_step_base_s`` 4 ms: a decode step of a batch of one. Reading the 3.1 GB of
       weights at 3.35 TB/s takes 0.9 ms; scheduler, sampler and graph launch bring vLLM to
       ~250 tokens/s single-stream for a 1.5B model, ~4 ms a step (the same derivation as
@@ -168,11 +166,7 @@ class CostModel:
     decode_step_base_s: float = 4e-3
 
     def cost(
-        self,
-        candidate: Candidate,
-        duplicate_tokens: int = 0,
-        projected_waiting: float = 0.0,
-        output: float | None = None,
+        self, candidate: Candidate, duplicate_tokens: int = 0, projected_waiting: float = 0.0
     ) -> float:
         """Latency added to all requests by sending this one to ``candidate``'s replica.
 
@@ -204,14 +198,10 @@ class CostModel:
         current one, so the larger of the two is charged, never both (they price the same
         wait). On a fleet whose caches hold every context in flight the excess is <= 0 and
         nothing changes.
-
-        ``output``: the completion length to price in place of ``expected_output_tokens`` (the
-        prior): :class:`CostBased` passes the mean it learned from the run's completions.
         """
         load = candidate.load if candidate.load > 0.0 else 0.0
         new_tokens = candidate.new_tokens if candidate.new_tokens > 0 else 0
-        if output is None:
-            output = self.expected_output_tokens
+        output = self.expected_output_tokens
         cost = new_tokens * self.prefill_s_per_token * (1.0 + load)
         cost += 2.0 * load * output * self.decode_s_per_seq_step
         capacity = candidate.kv_capacity_tokens
@@ -228,20 +218,18 @@ class CostModel:
                 cost += blocked / capacity * hold_s
         return cost
 
-    def slots(self, candidate: Candidate, output: float | None = None) -> float:
+    def slots(self, candidate: Candidate) -> float:
         """How many contexts like this request's (prompt + expected output) the candidate's KV
-        cache holds (its capacity must be known). ``output`` as in :meth:`cost`."""
-        if output is None:
-            output = self.expected_output_tokens
-        context = max(candidate.prompt_tokens, 0) + output
+        cache holds (its capacity must be known)."""
+        context = max(candidate.prompt_tokens, 0) + self.expected_output_tokens
         return candidate.kv_capacity_tokens / context
 
-    def hold_seconds(self, slots: float, output: float | None = None) -> float:
+    def hold_seconds(self, slots: float) -> float:
         """How long a request holds its KV blocks: its expected output's decode steps, at a
-        batch of ``slots`` sequences. ``output`` as in :meth:`cost`."""
-        if output is None:
-            output = self.expected_output_tokens
-        return output * (self.decode_step_base_s + self.decode_s_per_seq_step * slots)
+        batch of ``slots`` sequences."""
+        return self.expected_output_tokens * (
+            self.decode_step_base_s + self.decode_s_per_seq_step * slots
+        )
 
 
 # How fast the learned fleet concurrency forgets a peak: by a factor (1 - 1/N) per decision, so
@@ -264,27 +252,6 @@ CONCURRENCY_MEMORY_DECISIONS = 1024
 COLD_START_CONCURRENCY = 128.0
 
 
-# The learned completion length (CostBased.expected_output_tokens): a mean of the run's observed
-# completions in which the prior (CostModel.expected_output_tokens, 600) counts as this many of
-# them. Completion lengths spread widely (a lognormal of sigma 0.7, the simulator's and the
-# recipe's assumption, has a coefficient of variation of 0.79), so a mean of n is within
-# 0.79 / sqrt(n) of the truth one time in three: 16 completions (two GRPO groups) bring that to
-# +-20%, and only then does the data outweigh the prior.
-OUTPUT_PRIOR_COMPLETIONS = 16
-
-# How fast the learned completion length forgets: past this many completions the mean becomes an
-# exponential one with this window, so it follows a drift (GRPO's completions lengthen or shorten
-# as the policy trains) within a few of the recipe's 512-completion steps, while one odd answer
-# moves it by at most 1/1024 of its difference. Sized as CONCURRENCY_MEMORY_DECISIONS.
-OUTPUT_MEMORY_COMPLETIONS = 1024
-
-# A completion longer than this is taken as this long: no served model's context reaches past
-# 128k tokens today (Qwen2.5's longest, Llama 3.1's), so a longer count is a malformed or hostile
-# answer (the ids come from the replica's response, untrusted). Clamped rather than ignored: a
-# truthful long completion still pulls the mean up, a lie moves it by at most 128 tokens.
-MAX_OUTPUT_TOKENS = 131_072
-
-
 class CostBased(_RoundRobinTies):
     """The replica where the request adds the least latency (:class:`CostModel`).
 
@@ -303,26 +270,6 @@ class CostBased(_RoundRobinTies):
         super().__init__()
         self.model = model or CostModel()
         self.concurrency = concurrency
-        # The completion length priced (learned: observe_output), and how many completions its
-        # mean weighs (the prior's OUTPUT_PRIOR_COMPLETIONS, up to OUTPUT_MEMORY_COMPLETIONS).
-        self.expected_output_tokens = float(self.model.expected_output_tokens)
-        self.output_weight = float(OUTPUT_PRIOR_COMPLETIONS)
-
-    def observe_output(self, tokens: int) -> None:
-        """Learn one completion's length (tokens generated). The proxy does not know how long a
-        request will decode when it routes it, but it sees how long the run's requests do: an
-        agent's turns decode 100-500 tokens, a math rollout ~600-800, and the decode and memory
-        terms scale with it. Lengths below 1 say nothing and are ignored (an empty or
-        malformed answer); past :data:`MAX_OUTPUT_TOKENS` they are clamped."""
-        if tokens < 1:
-            return
-        if tokens > MAX_OUTPUT_TOKENS:
-            tokens = MAX_OUTPUT_TOKENS
-        weight = self.output_weight + 1.0
-        if weight > OUTPUT_MEMORY_COMPLETIONS:
-            weight = float(OUTPUT_MEMORY_COMPLETIONS)
-        self.output_weight = weight
-        self.expected_output_tokens += (tokens - self.expected_output_tokens) / weight
 
     def _projected_excess(self, candidates: Sequence[Candidate]) -> tuple[float, int]:
         """(contexts the fleet will carry beyond what its caches hold, fleet capacity in
@@ -337,7 +284,7 @@ class CostBased(_RoundRobinTies):
             fleet_capacity += c.kv_capacity_tokens
         # Each context in flight is taken to be this one's size (prompt + expected output):
         # the proxy does not see the others' growth, and a group's members share this shape.
-        context = max(candidates[0].prompt_tokens, 0) + self.expected_output_tokens
+        context = max(candidates[0].prompt_tokens, 0) + self.model.expected_output_tokens
         return self.concurrency - fleet_capacity / context, fleet_capacity
 
     def _holder_has_room(self, candidates: Sequence[Candidate], fewest_new: int) -> bool:
@@ -347,9 +294,7 @@ class CostBased(_RoundRobinTies):
         caches (tight x16: 8,192 tokens, 3.2 contexts of 2,578) this lets a group spread once
         its holder is full instead of queuing 8 rollouts on one replica."""
         for c in candidates:
-            if max(c.new_tokens, 0) != fewest_new:
-                continue
-            if max(c.load, 0.0) + 1.0 <= self.model.slots(c, self.expected_output_tokens):
+            if max(c.new_tokens, 0) == fewest_new and max(c.load, 0.0) + 1.0 <= self.model.slots(c):
                 return True
         return False
 
@@ -384,14 +329,13 @@ class CostBased(_RoundRobinTies):
         Roomy caches (no wait anywhere), a uniformly full fleet (equal waits) and queues within
         one turnover of the fleet's charge nothing."""
         model = self.model
-        output = self.expected_output_tokens
         waits: list[float] = []
         holds: list[float] = []
         for c in candidates:
             if c.kv_capacity_tokens <= 0:
                 return None  # unknown capacity: no memory term is priced anywhere
-            slots = model.slots(c, output)
-            hold_s = model.hold_seconds(slots, output)
+            slots = model.slots(c)
+            hold_s = model.hold_seconds(slots)
             queued = max(c.load, 0.0) + 1.0 - slots
             waits.append(queued * hold_s / slots if queued > 0.0 else 0.0)
             holds.append(hold_s)
@@ -406,19 +350,17 @@ class CostBased(_RoundRobinTies):
             raise ValueError("no candidates")
         excess, fleet_capacity = self._projected_excess(candidates)
         fewest_new = min(max(c.new_tokens, 0) for c in candidates) if excess > 0.0 else 0
-        output = self.expected_output_tokens
         if excess > 0.0 and self._holder_has_room(candidates, fewest_new):
             costs = [
                 self.model.cost(
                     c,
                     duplicate_tokens=max(c.new_tokens, 0) - fewest_new,
                     projected_waiting=excess * c.kv_capacity_tokens / fleet_capacity,
-                    output=output,
                 )
                 for c in candidates
             ]
         else:
-            costs = [self.model.cost(c, output=output) for c in candidates]
+            costs = [self.model.cost(c) for c in candidates]
         own_wait = self._own_wait_beyond_fleet(candidates)
         if own_wait is not None:
             costs = [cost + wait for cost, wait in zip(costs, own_wait, strict=True)]

@@ -100,8 +100,6 @@ class Router:
     def policy(self, policy: Policy) -> None:
         self._policy = policy
         self._route_tokens = self._learn_tokens = None
-        # The cost policy prices decode from the run's completion lengths (record_completion).
-        self._observe_output = policy.observe_output if isinstance(policy, CostBased) else None
         kind = _NATIVE_POLICY_KINDS.get(type(policy))
         if kind == 0 and type(policy.model) is not CostModel:  # type: ignore[attr-defined]
             kind = None  # a subclassed model may price differently: the reference decides
@@ -267,14 +265,7 @@ class Router:
         (bench/README.md measured most of the proxy's lost hits in these two cases).
 
         A token-id prompt is learned in one call into the C extension where ``route`` is
-        (_native.c's ``learn_tokens``: the same chain, lookup and record as below).
-
-        The cost policy also learns the completion's length here (CostBased.observe_output):
-        the same count either way, so the C route, which reads the learned length from the
-        policy, prices what the reference does."""
-        observe_output = self._observe_output
-        if observe_output is not None:
-            observe_output(len(completion))
+        (_native.c's ``learn_tokens``: the same chain, lookup and record as below)."""
         learn_tokens = self._learn_tokens
         tokens = key.tokens
         if (

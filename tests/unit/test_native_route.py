@@ -263,24 +263,3 @@ def test_learning_declines_what_the_reference_must_decide() -> None:
     assert learn(index, array("i", tokens), [1], BLOCK, decision.blocks, 0) is None  # signed
     assert index_state(index) == before
     assert learn(index, tokens, [1] * 40, BLOCK, decision.blocks, 0) is True
-
-
-def test_both_routes_price_the_completion_length_learned_from_record_completion() -> None:
-    """Completions recorded through either router teach its cost policy the run's length, and
-    the C route prices that length, not the model's prior: a 4,001-token prompt held by a
-    replica one request busier than an idle one spills at the prior's 600 output tokens (60 ms
-    of decode interference against 40 ms of prefill) and stays at ~340 learned (34 ms)."""
-    key = RoutingKey("m0", array("I", range(1, 4002)), None, None, False, 1)
-    picks = {}
-    for learn in (False, True):
-        reference, native = twins("cost", 1000, 16)
-        for router in (reference, native):
-            first = router.route(key, [(0, 0)])
-            for _ in range(100 if learn else 0):
-                router.record_completion(key, first, [9] * 300)
-            d = router.route(key, [(0, 1), (1, 0)])
-            picks[learn, router is native] = (d.replica, d.outcome)
-        assert policy_state(native) == policy_state(reference)
-        assert index_state(native.index) == index_state(reference.index)
-    assert picks[False, False] == picks[False, True] == (1, "spilled")
-    assert picks[True, False] == picks[True, True] == (0, "affinity")

@@ -9,9 +9,6 @@ import pytest
 from proxy.core.policy import (
     COLD_START_CONCURRENCY,
     CONCURRENCY_MEMORY_DECISIONS,
-    MAX_OUTPUT_TOKENS,
-    OUTPUT_MEMORY_COMPLETIONS,
-    OUTPUT_PRIOR_COMPLETIONS,
     POLICIES,
     Candidate,
     CostBased,
@@ -361,86 +358,3 @@ def test_roomy_or_unknown_caches_have_no_own_wait_term() -> None:
     assert CostBased()._own_wait_beyond_fleet(roomy) is None
     fleet[2] = dataclasses.replace(fleet[2], kv_capacity_tokens=0)
     assert CostBased()._own_wait_beyond_fleet(fleet) is None
-
-
-# -- the completion length priced: learned from the run ------------------------------------------
-
-# A holder one request busier than an idle replica that would prefill the whole 4,000-token
-# prompt: at 600 output tokens the holder's decode interference (2 * 1 * 600 * 0.05 ms = 60 ms)
-# outweighs the prefill (4,000 * 10 us = 40 ms) and the request spills; at an agent's ~300-token
-# turns it costs 30 ms and affinity wins. The break-even is 400 tokens.
-SHORT_TURN_HOLDER = (0, 1, 125, 0)
-SHORT_TURN_IDLE = (1, 0, 0, 4000)
-
-
-def test_a_learned_short_completion_keeps_affinity_the_prior_would_spill() -> None:
-    fresh = CostBased()
-    decision = fresh.choose([Candidate(*SHORT_TURN_HOLDER), Candidate(*SHORT_TURN_IDLE)])
-    assert (decision.replica, decision.outcome) == (1, "spilled")
-    learned = CostBased()
-    for _ in range(100):
-        learned.observe_output(300)
-    # the prior's 16 completions against 100 of 300: (16 * 600 + 100 * 300) / 116
-    assert learned.expected_output_tokens == pytest.approx((16 * 600 + 100 * 300) / 116)
-    decision = learned.choose([Candidate(*SHORT_TURN_HOLDER), Candidate(*SHORT_TURN_IDLE)])
-    assert (decision.replica, decision.outcome) == (0, "affinity")
-
-
-def test_a_learned_long_completion_spills_where_the_prior_keeps_affinity() -> None:
-    """The other way: a holder 1 busier than an idle replica lacking 7,000 tokens keeps the
-    request at 600 (60 ms against 70 ms) and sheds it at 1,500-token completions (150 ms)."""
-    holder, idle = Candidate(0, 1, 218, 0), Candidate(1, 0, 0, 7000)
-    assert CostBased().choose([holder, idle]).replica == 0
-    learned = CostBased()
-    for _ in range(200):
-        learned.observe_output(1500)
-    assert learned.choose([holder, idle]).replica == 1
-
-
-def test_the_prior_holds_until_completions_outweigh_it() -> None:
-    policy = CostBased()
-    assert policy.expected_output_tokens == CostModel().expected_output_tokens == 600.0
-    policy.observe_output(300)
-    one = 600 - 300 / (OUTPUT_PRIOR_COMPLETIONS + 1)  # the prior weighs 16 completions
-    assert policy.expected_output_tokens == pytest.approx(one)
-    for _ in range(OUTPUT_PRIOR_COMPLETIONS - 1):
-        policy.observe_output(300)
-    assert policy.expected_output_tokens == pytest.approx(450.0)  # equal weights: halfway
-
-
-def test_nonsense_lengths_are_ignored_or_clamped() -> None:
-    policy = CostBased()
-    before = dict(vars(policy))
-    for nonsense in (0, -1, -(10**12)):
-        policy.observe_output(nonsense)
-    assert vars(policy) == before
-    huge, clamped = CostBased(), CostBased()
-    huge.observe_output(10**15)
-    clamped.observe_output(MAX_OUTPUT_TOKENS)
-    assert huge.expected_output_tokens == clamped.expected_output_tokens
-    assert huge.expected_output_tokens - 600 == pytest.approx((MAX_OUTPUT_TOKENS - 600) / 17)
-
-
-def test_the_learned_length_forgets_within_its_memory_and_no_faster() -> None:
-    policy = CostBased()
-    for _ in range(3 * OUTPUT_MEMORY_COMPLETIONS):
-        policy.observe_output(300)
-    assert policy.output_weight == OUTPUT_MEMORY_COMPLETIONS
-    settled = policy.expected_output_tokens
-    assert settled == pytest.approx(300, abs=1)
-    policy.observe_output(int(settled) + OUTPUT_MEMORY_COMPLETIONS)  # one odd answer
-    assert policy.expected_output_tokens - settled == pytest.approx(1, abs=0.01)  # ~one token
-    for _ in range(OUTPUT_MEMORY_COMPLETIONS):
-        policy.observe_output(900)  # a drift: followed most of the way within one window
-    assert 600 < policy.expected_output_tokens < 900
-
-
-def test_the_memory_terms_price_the_learned_length() -> None:
-    """slots and hold time follow the learned length too: a 5,000-token context on a 12,000-token
-    cache fits twice at 1,000 output tokens; at the prior's 600 it fits 2.1 times."""
-    model = CostModel()
-    c = Candidate(0, 2, 0, 0, 5000, 12_000)
-    assert model.slots(c) == 12_000 / 5600
-    assert model.slots(c, 1000.0) == 2.0
-    assert model.hold_seconds(2.0, 1000.0) == 1000 * (4e-3 + 0.05e-3 * 2)
-    assert model.cost(c, output=1000.0) > model.cost(c)
