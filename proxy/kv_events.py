@@ -62,6 +62,7 @@ MAX_MESSAGE_BYTES = 64 * 2**20
 # one second is short next to a replica's ~30 s start-up).
 SUPERVISE_INTERVAL_S = 1.0
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 RESULTS = ("exact", "over", "under")
 
 
@@ -405,10 +406,14 @@ class KvEvents:
     # -- the one call on the request path -------------------------------------------------
 
     def observe(self, decision: object, body: bytes) -> None:
-        """Compare the cached tokens predicted for ``decision`` with the replica's report."""
+        """Compare the cached tokens predicted for ``decision`` with the replica's report, and
+        count its completion's length in what requests reserve (``observe_output``)."""
         pending = self.matcher.outcome(decision)
         if pending is None:
             return
+        generated = _COMPLETION_TOKENS.search(body)
+        if generated is not None:
+            self.matcher.observe_output(int(generated.group(1)))
         match = _CACHED_TOKENS.search(body)
         if match is None:
             self.unreported += 1

@@ -60,6 +60,15 @@ MAX_HELD_REQUESTS = 4_096
 # allocate the whole context): the cost model's figure (proxy/core/policy.py, CostModel), so the
 # eviction horizon and the memory price assume the same request.
 EXPECTED_OUTPUT_TOKENS = 600
+# ... until the replicas' answers say what they generate: the horizon then reserves the mean
+# completion of the last OUTPUT_WINDOW answers (``PreciseMatcher.observe_output``). What a
+# request really reserves is its own output (the simulator allocates exactly that at admission;
+# vLLM allocates it step by step, so the pool a queue finds holds the running requests' outputs
+# so far), never the cost model's 600 when the run's requests generate far less (the tight
+# benchmark's answers: mean 266 tokens, at most its max_tokens 512; bench/results/kv_events.md,
+# round 8). 256 answers: a GRPO step's worth of rollouts (TRL's batch x group), so the mean
+# follows the policy's answer length from one step to the next.
+OUTPUT_WINDOW = 256
 
 STORED = "BlockStored"
 REMOVED = "BlockRemoved"
@@ -653,6 +662,10 @@ class PreciseMatcher:
         # Ordered: predictions never read (a streamed answer, a failed request) leave oldest
         # first, in O(1) (a plain dict's front deletions make the next lookup scan).
         self._pending: OrderedDict[int, tuple[int, bool, int]] = OrderedDict()
+        # Output tokens a request reserves in the horizon (``doomed``): the answers' running
+        # mean once any came back (``observe_output``), the cost model's figure before.
+        self.output_tokens = float(EXPECTED_OUTPUT_TOKENS)
+        self._outputs = 0
 
     def live_mask(self, replicas: Sequence[int]) -> int:
         mask = 0
@@ -702,7 +715,7 @@ class PreciseMatcher:
         views = self.views
         bs = self._block_size()
         capacity = self.capacity_tokens
-        output_blocks = -(-EXPECTED_OUTPUT_TOKENS // bs)
+        output_blocks = -(-round(self.output_tokens) // bs)
         # What each live view will still hold when the request is admitted there (``doomed``),
         # by reach, shortest first.
         by_reach = sorted(
@@ -783,6 +796,12 @@ class PreciseMatcher:
         credited = dict(views_reach)
         credited[home] = best
         return credited, views_common
+
+    def observe_output(self, tokens: int) -> None:
+        """A replica answered with ``tokens`` generated: the mean of the last ~OUTPUT_WINDOW
+        answers (an exponential window once that many came back) is what a request reserves."""
+        self._outputs = min(self._outputs + 1, OUTPUT_WINDOW)
+        self.output_tokens += (max(tokens, 0) - self.output_tokens) / self._outputs
 
     def routed(self, decision: object, replica: int) -> None:
         """The last ``specific_matches`` request went to ``replica``: its blocks count as held
