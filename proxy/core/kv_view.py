@@ -65,7 +65,7 @@ EXPECTED_OUTPUT_TOKENS = 600
 # request really reserves is its own output (the simulator allocates exactly that at admission;
 # vLLM allocates it step by step, so the pool a queue finds holds the running requests' outputs
 # so far), never the cost model's 600 when the run's requests generate far less (the tight
-# benchmark's answers: mean 266 tokens, at most its max_tokens 512; bench/results/kv_events.md,
+# benchmark's answers: mean 266 tokens, median 253, max 500 on seed 0; bench/results/kv_events.md,
 # round 8). 256 answers: a GRPO step's worth of rollouts (TRL's batch x group), so the mean
 # follows the policy's answer length from one step to the next.
 OUTPUT_WINDOW = 256
