@@ -25,7 +25,7 @@ import msgpack
 
 from proxy.core.extract import RoutingKey
 from proxy.core.hashing import FastHasher, Namespace, VllmHasher
-from proxy.core.kv_view import PreciseMatcher, ReplicaView
+from proxy.core.kv_view import BlockEvent, PreciseMatcher, ReplicaView
 from proxy.core.policy import PrefixAffinity
 from proxy.core.prefix_index import PrefixIndex
 from proxy.core.router import Router
@@ -195,6 +195,63 @@ def request_costs(rng: random.Random, prompt_tokens: int) -> list[tuple[str, flo
     ]  # fmt: skip
 
 
+def view_loop_costs(rng: random.Random, rounds: int = 3) -> list[tuple[str, float]]:
+    """The views' per-key loops in C (PROXY_NATIVE, proxy/core/_native.c's view_*) and in the
+    Python reference, on a tight-benchmark view (1,525 blocks cached, 8 requests in flight): a
+    routed 250-block prompt's pin + free (``hold`` + ``release``) and ``expect``, one evicting
+    batch (88 new blocks stored, 88 removed: a 1,400-token continuation's new blocks and its
+    600-token output) and the horizon's walk (``doomed`` + ``held_prefix``). Interleaved, C then
+    Python, ``rounds`` times; the best of each."""
+    setups = {}
+    for native in (True, False):
+        view = ReplicaView(use_native=native)
+        cached = [rng.getrandbits(63) for _ in range(1525)]
+        view.apply(0, [0.0, [{"type": "BlockStored", "block_hashes": cached}]])
+        for t in range(8):
+            view.hold(t, cached[300 + t * 100 : 400 + t * 100])
+        prompt = cached[:250]
+        stored = [rng.getrandbits(63) for _ in range(88)]
+        payload = msgpack.packb([0.0, [{"type": "BlockStored", "block_hashes": stored}]
+                                 + [{"type": "BlockRemoved", "block_hashes": [k]}
+                                    for k in cached[1000:1088]], 0])  # fmt: skip
+        back = msgpack.packb([0.0, [{"type": "BlockRemoved", "block_hashes": stored},
+                                    {"type": "BlockStored", "block_hashes": cached[1000:1088]}],
+                              0])  # fmt: skip
+        # The typed decoding the subscriber uses (msgspec), so the batch times the loops.
+        forth_events, back_events = decode_typed(payload), decode_typed(back)
+        assert forth_events is not None and back_events is not None
+        setups[native] = (view, prompt, forth_events[1], back_events[1])
+    best: dict[tuple[str, bool], float] = {}
+    for _ in range(rounds):
+        for native, (view, prompt, forth, back) in setups.items():
+            seq = itertools.count(1)
+
+            def pin_free(view: ReplicaView = view, prompt: list[int] = prompt) -> None:
+                view.expect(prompt, 0.0)
+                view.hold(99, prompt)
+                view.release(99)
+
+            def batch(
+                view: ReplicaView = view,
+                forth: list[BlockEvent] = forth,
+                back: list[BlockEvent] = back,
+                seq: itertools.count[int] = seq,
+            ) -> None:
+                view.apply_events(next(seq), forth)
+                view.apply_events(next(seq), back)
+
+            def walk(view: ReplicaView = view, prompt: list[int] = prompt) -> None:
+                view.held_prefix(prompt, 0.0, view.doomed(1525, 38, 0.0))
+
+            for name, fn, per in (("250-block prompt: expect + hold + release", pin_free, 1),
+                                  ("evicting batch, 88 stored + 88 removed (per batch)", batch, 2),
+                                  ("doomed + held_prefix, 250-block prompt", walk, 1)):  # fmt: skip
+                us = per_call_us(fn) / per
+                best[(name, native)] = min(best.get((name, native), us), us)
+    return [(f"view loops, {'C' if native else 'Python'}: {name}", us)
+            for (name, native), us in best.items()]  # fmt: skip
+
+
 def view_bytes_per_block(n: int = 200_000) -> float:
     """A view's memory per block: its dict slot plus the key's int object (each decoded key
     is a fresh int)."""
@@ -229,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m bench.run_kv_events_micro", description=__doc__
     ).parse_args(argv)
     rng = random.Random(0)
-    rows = event_costs(rng)
+    rows = view_loop_costs(rng)
+    rows += event_costs(rng)
     for n in (512, 4096):
         rows += request_costs(rng, n)
     print("| what | CPU us |")

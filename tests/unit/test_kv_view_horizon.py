@@ -9,6 +9,7 @@ from typing import Any
 
 from proxy.core.kv_view import (
     EXPECTED_OUTPUT_TOKENS,
+    OUTPUT_WINDOW,
     PENDING_TTL_S,
     STORED,
     PreciseMatcher,
@@ -145,3 +146,28 @@ def test_a_partly_evicted_home_keeps_its_rollout_unless_another_replica_holds_mo
     # Replica 1 really holds more than the home will: the views' answer stands.
     fleet.report(1, stored(*history[4:8]))
     assert fleet.reach(history + [900]) == {0: 0, 1: 2}
+
+
+def test_the_queue_reserves_the_outputs_the_replicas_actually_generate() -> None:
+    # 45 blocks, a queued request needing 5 new prompt blocks: with the cost model's 600 output
+    # tokens (38 blocks) it evicts 8 of the freed prompt's blocks (the first test). Once answers
+    # show requests generating 160 tokens (10 blocks), it needs 15 of the 35 free: nothing goes.
+    fleet = served_then_queued(45, 5)
+    continuation = chain(10, 100) + chain(4, 900)
+    assert fleet.reach(continuation) == {0: 2, 1: 0}
+    for tokens in (100, 220):  # mean 160
+        fleet.matcher.observe_output(tokens)
+    assert fleet.matcher.output_tokens == 160.0
+    assert fleet.reach(continuation) == {0: 10, 1: 0}
+
+
+def test_the_output_mean_follows_the_last_answers() -> None:
+    matcher = PreciseMatcher({}, clock=lambda: 0.0, block_size=lambda: BS)
+    assert matcher.output_tokens == EXPECTED_OUTPUT_TOKENS  # before any answer
+    for _ in range(OUTPUT_WINDOW):
+        matcher.observe_output(100)
+    assert matcher.output_tokens == 100.0
+    # Past the window the old answers fade: another window of 300s moves the mean most of the way.
+    for _ in range(OUTPUT_WINDOW):
+        matcher.observe_output(300)
+    assert 220 < matcher.output_tokens < 300
