@@ -61,8 +61,11 @@ MAX_MESSAGE_BYTES = 64 * 2**20
 # How often the supervisor looks for replicas added, ejected or removed (a fleet change is rare;
 # one second is short next to a replica's ~30 s start-up).
 SUPERVISE_INTERVAL_S = 1.0
-_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
-_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+# A replica's usage figures are untrusted input read on the request path: at most 12 digits (a
+# trillion tokens, past any context length), so int() never meets a number long enough to raise
+# (Python refuses to parse over 4,300 digits) and a longer one reads as no report at all.
+_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d{1,12})(?!\d)')
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d{1,12})(?!\d)')
 RESULTS = ("exact", "over", "under")
 
 

