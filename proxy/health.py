@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from proxy.control import ControlPlane
 from proxy.core.fleet import Fleet, Replica, Status, unaccounted_requests
+from proxy.core.hashing import VLLM_HASH_ALGOS
 from proxy.errors import ProxyError
 from proxy.metrics import Metrics
 from proxy.settings import Settings
@@ -71,15 +73,43 @@ def parse_vllm_metrics(text: str) -> dict[str, Any]:
             name = sample.name.removesuffix("_total")
             key = wanted.get(name)
             if key is not None:
-                out[key] = out.get(key, 0.0) + sample.value
+                # Every figure is a replica's untrusted word: NaN, infinities and negative
+                # counts are no report (unknown), not a load of infinity for the policy.
+                if math.isfinite(sample.value) and sample.value >= 0.0:
+                    out[key] = out.get(key, 0.0) + sample.value
             elif name == "vllm:cache_config_info":
-                if "block_size" in sample.labels:
-                    out["block_size"] = int(float(sample.labels["block_size"]))
-                if "prefix_caching_hash_algo" in sample.labels:
-                    out["hash_algo"] = sample.labels["prefix_caching_hash_algo"]
-                if sample.labels.get("num_gpu_blocks", "None").isdigit():
-                    out["num_gpu_blocks"] = int(sample.labels["num_gpu_blocks"])
+                labels = sample.labels
+                block_size = _label_int(labels.get("block_size"), MAX_BLOCK_SIZE)
+                if block_size is not None:
+                    out["block_size"] = block_size
+                if labels.get("prefix_caching_hash_algo") in VLLM_HASH_ALGOS:
+                    out["hash_algo"] = labels["prefix_caching_hash_algo"]
+                blocks = _label_int(labels.get("num_gpu_blocks"), MAX_GPU_BLOCKS)
+                if blocks is not None:
+                    out["num_gpu_blocks"] = blocks
     return out
+
+
+# Bounds on what a replica may report about its cache; anything outside reads as unknown. vLLM's
+# block sizes are powers of two from 1 to a few hundred tokens (hybrid models go higher);
+# 65,536 is far past any. 2**40 blocks would be petabytes of KV cache.
+MAX_BLOCK_SIZE = 2**16
+MAX_GPU_BLOCKS = 2**40
+
+
+def _label_int(value: str | None, limit: int) -> int | None:
+    """A positive whole number at most ``limit`` ("16" or vLLM's "16.0"), else None (unknown).
+    Parsed as a float first only when short: int() of 5,000 digits raises, float("inf") cannot
+    become an int, and a zero or negative block size would break the hasher."""
+    if value is None or len(value) > 24:
+        return None
+    try:
+        number = float(value)
+    except ValueError:
+        return None
+    if not (math.isfinite(number) and number.is_integer() and 1 <= number <= limit):
+        return None
+    return int(number)
 
 
 class HealthMonitor:

@@ -32,7 +32,9 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-POLICY_ADAPTER = re.compile(r"^trl-policy-v(\d+)$")
+# At most 18 digits: the name is a replica's or a client's word, and int() of a 5,000-digit
+# version raises; no run publishes a quintillion versions, so a longer one is not TRL's name.
+POLICY_ADAPTER = re.compile(r"trl-policy-v(\d{1,18})\Z")
 
 
 class Status(enum.Enum):

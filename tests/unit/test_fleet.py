@@ -95,6 +95,10 @@ def test_membership_and_versions() -> None:
     new = fleet.add("http://new")
     assert new.index == 1 and new.status is Status.PENDING
     assert adapter_version("trl-policy-v12") == 12 and adapter_version("other") is None
+    # A name is a client's or a replica's word: int() of 5,000 digits would raise, and a name
+    # with a trailing newline is not TRL's.
+    assert adapter_version("trl-policy-v" + "9" * 5000) is None
+    assert adapter_version("trl-policy-v12\n") is None
     fleet.published("trl-policy-v3", "/3", [0])
     fleet.published("trl-policy-v12", "/12", [0])
     assert fleet.latest_version(fleet.replicas[0]) == 12

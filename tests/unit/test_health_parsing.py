@@ -54,3 +54,43 @@ def test_parse_models_rejects_or_skips_garbage(payload) -> None:
     except ValueError:
         return
     assert base is None and adapters == {}
+
+
+def _cache_info(**labels: str) -> str:
+    body = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    return f"# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{{{body}}} 1.0\n"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["inf", "nan", "-16", "0", "1e400", "16.5", "9" * 5000, "abc", "²"],
+)
+def test_untrusted_cache_labels_read_as_unknown(bad: str) -> None:
+    """Each label is a replica's word: a block size or block count that is not a sane positive
+    whole number is omitted (unknown), never an exception in the health round or a hasher
+    built on a block size of -16; an unknown hash algorithm is omitted as well."""
+    text = _cache_info(block_size=bad, num_gpu_blocks=bad, prefix_caching_hash_algo="md5")
+    assert parse_vllm_metrics(text) == {}
+    assert parse_vllm_metrics(_cache_info(block_size=str(2**17))) == {}  # past any block size
+
+
+def test_cache_labels_in_either_number_form() -> None:
+    text = _cache_info(block_size="16.0", num_gpu_blocks="8192", prefix_caching_hash_algo="xxhash")
+    assert parse_vllm_metrics(text) == {
+        "block_size": 16,
+        "num_gpu_blocks": 8192,
+        "hash_algo": "xxhash",
+    }
+
+
+@pytest.mark.parametrize("value", ["NaN", "+Inf", "-Inf", "-3"])
+def test_untrusted_queue_figures_read_as_unknown(value: str) -> None:
+    """A NaN or infinite queue would price a replica at infinity (or NaN, which compares false
+    with everything); a negative count is no count."""
+    text = (
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        f'vllm:num_requests_waiting{{engine="0"}} {value}\n'
+        "# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{engine="0"} 3.0\n'
+    )
+    assert parse_vllm_metrics(text) == {"running": 3.0}
