@@ -190,20 +190,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     from trainer.__main__ import main as trainer_main
 
-    try:
-        return trainer_main(sys.argv[1:] if argv is None else argv)
-    finally:
-        _destroy_process_group()
-
-
-def _destroy_process_group() -> None:
-    """Tear gloo down while the interpreter is whole. A rank that exits with its process group
-    alive can abort in finalization (SIGABRT, "terminate called without an active exception":
-    gloo's worker threads still hold tensors; pytorch/pytorch#190489, #179291): rank 1 of the
-    FSDP test's resumed run did, once in 4 runs of the suite, after its last collective."""
-    dist = sys.modules.get("torch.distributed")  # not imported: no group (and no torch import)
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    # trainer_main tears the process group down itself (trainer/__main__.py), also for the
+    # ranks started from here.
+    return trainer_main(sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":
