@@ -31,6 +31,7 @@ from itertools import count, islice, takewhile
 from typing import Any, NamedTuple, Protocol
 
 from proxy.core.native import module_for
+from proxy.core.policy import CostModel
 from proxy.core.prefix_index import PrefixIndex
 from proxy.core.reach import mask_of, prefix_reach, specific
 
@@ -57,9 +58,10 @@ MAX_PENDING_PREDICTIONS = 65_536
 # failed request, whose decision is never checked) is forgotten oldest first past this bound.
 MAX_HELD_REQUESTS = 4_096
 # Tokens a request is expected to generate, hence reserves on admission (vLLM and the simulator
-# allocate the whole context): the cost model's figure (proxy/core/policy.py, CostModel), so the
-# eviction horizon and the memory price assume the same request.
-EXPECTED_OUTPUT_TOKENS = 600
+# allocate the whole context): the cost model's figure, read from it (proxy/core/policy.py,
+# CostModel: where the 600 is sized), so the eviction horizon and the memory price assume the
+# same request.
+EXPECTED_OUTPUT_TOKENS = int(CostModel().expected_output_tokens)
 # ... until the replicas' answers say what they generate: the horizon then reserves the mean
 # completion of the last OUTPUT_WINDOW answers (``PreciseMatcher.observe_output``). What a
 # request really reserves is its own output (the simulator allocates exactly that at admission;
@@ -820,9 +822,10 @@ class PreciseMatcher:
         if token in self._pending:  # an unanswered decision's id, reused: it is over
             self.outcome(decision)
         if view is not None:
+            now = self._clock()
             if view.usable:
-                view.expect(self._keys, self._clock())
-            view.hold(token, self._keys, self._clock())
+                view.expect(self._keys, now)
+            view.hold(token, self._keys, now)
         pending = self._pending
         if len(pending) >= MAX_PENDING_PREDICTIONS:
             old, (_, _, at) = pending.popitem(last=False)
