@@ -184,9 +184,7 @@ def request_timings(timer: Callable[[str, Callable[[], object]], Any]) -> tuple[
 
     def count() -> None:
         metrics.count_decision("affinity", 3)
-        metrics.observe_upstream("completions", "0", 0.001)
-        metrics.count_request("completions", "0", 200)
-        metrics.observe_proxy("completions", 0.0001)
+        metrics.answered("completions", "0", 200, 0.001, 0.0001)
 
     stages: list[tuple[str, Callable[[], object]]] = [
         ("guard: head checks", lambda: rt.guard.check_data_route_head(scope)),

@@ -288,17 +288,12 @@ class Metrics:
     def count_request(self, route: str, replica: str, status: int) -> None:
         self.requests.inc((route, replica, status_label(status)))
 
-    def observe_upstream(self, route: str, replica: str, seconds: float) -> None:
-        self.upstream_seconds.observe((route, replica), seconds)
-
-    def observe_proxy(self, route: str, seconds: float) -> None:
-        self.proxy_seconds.observe((route,), seconds)
-
     def answered(
         self, route: str, replica: str, status: int, upstream_s: float, proxy_s: float
     ) -> None:
-        """``count_request``, ``observe_upstream`` and ``observe_proxy`` for one relayed answer
-        in one call: the data path tallies every completion this way, three frames fewer."""
+        """One relayed answer: its request count, its time upstream and the proxy's own time,
+        in one call (the data path tallies every completion this way, three frames fewer than
+        one method per metric)."""
         self.requests.inc((route, replica, status_label(status)))
         self.upstream_seconds.observe((route, replica), upstream_s)
         self.proxy_seconds.observe((route,), proxy_s)

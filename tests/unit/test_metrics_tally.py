@@ -80,10 +80,8 @@ def test_tally_matches_prometheus_counter() -> None:
 
 def test_metrics_expose_the_tallies_by_their_public_names() -> None:
     metrics = Metrics()
-    metrics.count_request("completions", "0", 200)
+    metrics.answered("completions", "0", 200, 0.2, 0.0003)
     metrics.count_request("completions", "0", 418)
-    metrics.observe_upstream("completions", "0", 0.2)
-    metrics.observe_proxy("completions", 0.0003)
     metrics.count_decision("affinity", 5)
     text = generate_latest(metrics.registry).decode()
     assert 'rollout_proxy_requests_total{replica="0",route="completions",status="200"} 1.0' in text
