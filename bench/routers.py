@@ -24,15 +24,21 @@ magnified 1/time_scale times; so the benchmark gives every router the Rust route
 60 s, instead of each router's default in real seconds (the proxy's 2 s real would be 20 s
 simulated at time_scale 0.1, 30x more often than vllm-router's 60 s real = 600 s simulated).
 
+- ``proxy@LABEL``: rollout-proxy, default policy, as another checkout of this repository runs it
+  (``BENCH_TREES=LABEL=PATH,...``; PATH's own ``.venv``, made by its ``make setup``): a change
+  measured against its base in the same run, side by side, without a switch in the product.
+
 To add a router, add a :class:`RouterSpec` to ``ROUTERS`` (name, how to start it); the runner
 iterates over whatever is registered.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from bench.procs import find_tool, free_port
 from bench.workload import PromptFormat
@@ -50,15 +56,23 @@ class RouterSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     # Subscribes to the replicas' KV-cache events (the simulator must publish them).
     kv_events: bool = False
+    # Another checkout whose proxy runs instead of this one's (``proxy@LABEL``).
+    tree: Path | None = None
 
     def unavailable(self) -> str | None:
         """Why this router cannot run here, or None."""
+        if self.tree is not None and not self.python().is_file():
+            return f"{self.python()} not found (run `make setup` in {self.tree})"
         if self.tool is not None and find_tool(self.tool) is None:
             return (
                 f"`{self.tool}` not found (install it into .venv-bench: "
                 f"`python -m venv .venv-bench && .venv-bench/bin/pip install {self.tool}`)"
             )
         return None
+
+    def python(self) -> Path:
+        """The interpreter that runs this proxy: this checkout's, or ``tree``'s venv."""
+        return Path(sys.executable) if self.tree is None else self.tree / ".venv" / "bin" / "python"
 
     def environment(self, probe_interval_real_s: float | None = None) -> dict[str, str]:
         """The process environment overrides, with the probe period for our proxy."""
@@ -72,7 +86,10 @@ class RouterSpec:
     ) -> list[str]:
         if self.tool is None:
             return [
-                sys.executable,
+                str(self.python()),
+                # -P: not this checkout's proxy/ from the working directory, the venv's own
+                # (editable) install
+                *(["-P"] if self.tree is not None else []),
                 "-m",
                 "proxy",
                 "--replicas",
@@ -119,11 +136,31 @@ ROUTERS: dict[str, RouterSpec] = {
 }
 
 
+def trees(setting: str | None = None) -> dict[str, Path]:
+    """``BENCH_TREES`` (``LABEL=PATH,...``) as {label: path}."""
+    if setting is None:
+        setting = os.environ.get("BENCH_TREES", "")
+    out: dict[str, Path] = {}
+    for item in filter(None, (x.strip() for x in setting.split(","))):
+        label, sep, path = item.partition("=")
+        if not sep or not label or not path:
+            raise ValueError(f"BENCH_TREES entry {item!r} is not LABEL=PATH")
+        out[label] = Path(path).resolve()
+    return out
+
+
 def select(names: Sequence[str]) -> list[RouterSpec]:
-    unknown = [n for n in names if n not in ROUTERS]
+    known = dict(ROUTERS)
+    for label, path in trees().items():
+        name = f"proxy@{label}"
+        known[name] = RouterSpec(name, f"rollout-proxy as checked out at {path}", tree=path)
+    unknown = [n for n in names if n not in known]
     if unknown:
-        raise ValueError(f"unknown router(s) {unknown}; known: {sorted(ROUTERS)}")
-    return [ROUTERS[n] for n in names]
+        raise ValueError(
+            f"unknown router(s) {unknown}; known: {sorted(known)} "
+            "(proxy@LABEL needs BENCH_TREES=LABEL=PATH)"
+        )
+    return [known[n] for n in names]
 
 
 def rust_router_argv(

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
-from bench.routers import ROUTERS, rust_router_argv
+from bench.routers import ROUTERS, rust_router_argv, select, trees
 from bench.run_routing import (
     RunResult,
     _added_latency_ms,
@@ -61,6 +62,27 @@ def test_probe_interval_is_simulated_seconds_or_each_routers_own() -> None:
     argv = rust_router_argv("vllm-router", "vr", ["http://a"], 1, 0.3)
     assert argv[-2:] == ["--health-check-interval-secs", "1"]
     assert "--health-check-interval-secs" not in rust_router_argv("vllm-router", "vr", [], 1)
+
+
+def test_another_checkouts_proxy_runs_from_its_own_venv(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """proxy@LABEL: BENCH_TREES names the checkout; its venv's python runs `-P -m proxy`, so
+    the working directory's proxy/ cannot shadow the other tree's."""
+    monkeypatch.setenv("BENCH_TREES", f"base={tmp_path}")
+    (spec,) = select(["proxy@base"])
+    assert (
+        spec.unavailable()
+        == f"{tmp_path}/.venv/bin/python not found (run `make setup` in {tmp_path})"
+    )
+    argv = spec.argv(["http://a"], 9)
+    assert argv[:4] == [f"{tmp_path}/.venv/bin/python", "-P", "-m", "proxy"]
+    assert spec.environment(6.0) == {"PROXY_HEALTH_INTERVAL_S": "6"}
+    assert ROUTERS["proxy"].argv(["http://a"], 9)[1:3] == ["-m", "proxy"]  # this checkout's
+    with pytest.raises(ValueError, match="BENCH_TREES=LABEL=PATH"):
+        select(["proxy@other"])
+    with pytest.raises(ValueError, match="not LABEL=PATH"):
+        trees("base")
 
 
 def _record(rid: str, t_send: float, t_recv: float) -> RequestRecord:
