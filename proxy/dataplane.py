@@ -351,7 +351,10 @@ class RelayedBody(Response):
         pending = self.pending
         if pending is not None:
             self.pending = None
-            pending[0].after_answer(self, *pending[1:])
+            try:
+                pending[0].after_answer(self, *pending[1:])
+            except Exception:  # the client has its answer: a bug here is logged, not raised
+                log.exception("request %s: bookkeeping after the answer failed", self.request_id)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
