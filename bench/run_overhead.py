@@ -21,7 +21,9 @@ own transport on request; ``proxy-python``: PROXY_NATIVE=off, so that proxy-pyth
 is what the C extension saves; ``proxy-rr``: round-robin policy, so that proxy minus proxy-rr is
 what routing costs), vllm-router, sglang-router, nginx as a pass-through proxy (the floor
 for any proxy process), and bare uvicorn pass-throughs with the lean client and with aiohttp (the
-floors for a Python one, bench/passthrough.py).
+floors for a Python one, bench/passthrough.py). ``proxy@LABEL``: the default proxy as another
+checkout runs it (``BENCH_TREES=LABEL=PATH``, bench/routers.py; PATH's own ``.venv``), so that a
+change is measured against its base side by side, in the same interleaved rounds.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from bench.procs import (
     wait_http,
 )
 from bench.report import fmt, table
-from bench.routers import rust_router_argv
+from bench.routers import rust_router_argv, trees
 
 DEFAULT_OUT = REPO / "bench" / "results"
 MODEL = "Qwen/Qwen2.5-Math-1.5B"
@@ -80,8 +82,13 @@ class Target:
     # A copy of the package whose core is compiled (scripts/compile_core.py --out DIR), run
     # instead of the checkout's: ``python -P -m proxy`` with PYTHONPATH=DIR.
     package_root: Path | None = None
+    # Another checkout whose proxy runs instead of this one's (``proxy@LABEL``): its own .venv,
+    # ``python -P -m proxy`` so that this checkout's proxy/ cannot shadow it.
+    tree: Path | None = None
 
     def unavailable(self) -> str | None:
+        if self.tree is not None and not (self.tree / ".venv" / "bin" / "python").is_file():
+            return f"{self.tree}/.venv/bin/python not found (run `make setup` in {self.tree})"
         tool = {"vllm-router": "vllm-router", "sglang-router": "sglang-router", "nginx": "nginx"}
         needed = tool.get(self.kind)
         if needed and find_tool(needed) is None:
@@ -202,6 +209,23 @@ TARGETS: dict[str, Target] = {
 DEFAULT_TARGETS = [n for n in TARGETS if n not in ("proxy-httpx", "proxy-mypyc")]
 
 
+def target(name: str) -> Target:
+    """``TARGETS[name]``, or ``proxy@LABEL`` for a checkout named in ``BENCH_TREES``."""
+    if name in TARGETS:
+        return TARGETS[name]
+    base, sep, label = name.partition("@")
+    tree = trees().get(label) if sep and base == "proxy" else None
+    if tree is None:
+        raise KeyError(name)
+    return Target(
+        name,
+        f"rollout-proxy, defaults, as checked out at {tree}",
+        "proxy",
+        {"PROXY_UPSTREAM_TRANSPORT": "lean"},
+        tree=tree,
+    )
+
+
 @dataclass
 class WrkResult:
     requests: int
@@ -226,6 +250,9 @@ class Measurement:
     p50_1_us: float = math.nan
     p99_1_us: float = math.nan
     cpu_us_per_req: float = math.nan
+    # CPU per request at one connection: there every request waits for all of it (one event
+    # loop, one request at a time), so it is the target's own share of the p50 at 1.
+    cpu_1_us_per_req: float = math.nan
     errors: int = 0
     requests: int = 0
     samples: dict[str, list[float]] = field(default_factory=dict)
@@ -235,7 +262,7 @@ class Measurement:
 
     def settle(self) -> None:
         """Each figure: the median of its rounds."""
-        for name in ("rps_64", "p50_1_us", "p99_1_us", "cpu_us_per_req"):
+        for name in ("rps_64", "p50_1_us", "p99_1_us", "cpu_us_per_req", "cpu_1_us_per_req"):
             values = [v for v in self.samples.get(name, []) if math.isfinite(v)]
             setattr(self, name, statistics.median(values) if values else math.nan)
 
@@ -487,6 +514,8 @@ def _launch(
         # -P: the working directory (the checkout) does not go first on sys.path, so a
         # package_root on PYTHONPATH is what ``import proxy`` finds.
         python = [sys.executable, "-P"] if target.package_root is not None else [sys.executable]
+        if target.tree is not None:
+            python = [str(target.tree / ".venv" / "bin" / "python"), "-P"]
         argv = [*python, "-m", "proxy", "--replicas", ",".join(urls), "--port", str(port)]
         proc = stack.enter_context(managed(target.name, argv, log, target.env))
     elif target.kind in ("vllm-router", "sglang-router"):
@@ -554,13 +583,13 @@ def start_targets(
     running: dict[str, Running] = {}
     rows: dict[tuple[str, str], Measurement] = {}
     for name in names:
-        target = TARGETS[name]
+        spec = target(name)
         for kind in body_kinds:
-            rows[(name, kind)] = Measurement(name, kind, target.description)
-        reason = target.unavailable()
+            rows[(name, kind)] = Measurement(name, kind, spec.description)
+        reason = spec.unavailable()
         if reason is None:
             try:
-                url, proc = _launch(target, backend_ports, tmp, log_dir, stack)
+                url, proc = _launch(spec, backend_ports, tmp, log_dir, stack)
             except Exception as exc:  # keep measuring the others
                 reason = f"did not start: {exc}"
         if reason is not None:
@@ -571,11 +600,11 @@ def start_targets(
         scripts = {}
         for kind in body_kinds:
             body_path = tmp / f"body-{name}-{kind}.jsonl"
-            body_path.write_text("\n".join(bodies(kind, target.text_prompt)) + "\n")
+            body_path.write_text("\n".join(bodies(kind, spec.text_prompt)) + "\n")
             script = tmp / f"wrk-{name}-{kind}.lua"
             script.write_text(WRK_LUA.format(body_path=body_path))
             scripts[kind] = script
-        running[name] = Running(target, url, proc, scripts)
+        running[name] = Running(spec, url, proc, scripts)
     return running, rows
 
 
@@ -599,7 +628,11 @@ def run_round(
     m.add("rps_64", r64.rps)
     if r64.requests:
         m.add("cpu_us_per_req", (cpu1 - cpu0) / r64.requests * 1e6)
+    cpu1 = watched.cpu_seconds()
     r1 = run_wrk(wrk, run.url, script, 1, latency_s)
+    cpu2 = watched.cpu_seconds()
+    if r1.requests:
+        m.add("cpu_1_us_per_req", (cpu2 - cpu1) / r1.requests * 1e6)
     m.errors += r1.errors
     m.requests += r1.requests
     m.add("p50_1_us", r1.p50_us)
@@ -670,6 +703,7 @@ def write_report(
         "added p50 @1 (us)",
         "CPU / request (us)",
         "CPU / vllm-router",
+        "CPU / request @1 (us)",
         "errors",
         "what",
     ]
@@ -690,7 +724,7 @@ def write_report(
         table_rows = []
         for r in these:
             if r.status != "ok":
-                table_rows.append([r.target, f"{r.status}: {r.reason}"] + ["-"] * 8)
+                table_rows.append([r.target, f"{r.status}: {r.reason}"] + ["-"] * 9)
                 continue
             add50 = r.p50_1_us - direct.p50_1_us if direct and r.target != "direct" else math.nan
             table_rows.append(
@@ -703,6 +737,7 @@ def write_report(
                     fmt(add50, 0),
                     fmt(r.cpu_us_per_req, 0),
                     fmt(_ratio(r.cpu_us_per_req, vr.cpu_us_per_req) if vr else math.nan, 2),
+                    fmt(r.cpu_1_us_per_req, 0),
                     f"{r.errors}/{r.requests}",
                     r.description,
                 ]
@@ -727,7 +762,8 @@ def write_report(
         "= target minus direct at the same percentile.\n"
         "- CPU / request: utime+stime of the target's whole process tree (/proc/<pid>/stat, all "
         "threads and children) across the 64-connection run, divided by the requests wrk "
-        "completed. For direct it is the backend nginx's.\n"
+        "completed. For direct it is the backend nginx's. CPU / request @1: the same across "
+        "the 1-connection run, where each request waits for all of it.\n"
         "- Every figure comes from this one run; failures (non-2xx) are counted in errors.\n"
     )
     (out / "overhead.md").write_text("".join(md))
@@ -784,7 +820,8 @@ def measure_all(
                             f"{kind:>10} round {round_no} {name:>14}: "
                             f"rps@64 {fmt(last.get('rps_64', math.nan), 0):>7} "
                             f"p50@1 {fmt(last.get('p50_1_us', math.nan), 0):>6} us "
-                            f"cpu/req {fmt(last.get('cpu_us_per_req', math.nan), 0):>5} us"
+                            f"cpu/req {fmt(last.get('cpu_us_per_req', math.nan), 0):>5} us "
+                            f"@1 {fmt(last.get('cpu_1_us_per_req', math.nan), 0):>5} us"
                             + (f" [{m.reason[:200]}]" if m.reason else ""),
                             flush=True,
                         )
@@ -811,9 +848,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
     names = [x for x in args.targets.split(",") if x]
-    unknown = [n for n in names if n not in TARGETS]
+    unknown = []
+    for n in names:
+        try:
+            target(n)
+        except KeyError:
+            unknown.append(n)
     if unknown:
-        p.error(f"unknown target(s) {unknown}; known: {list(TARGETS)}")
+        p.error(
+            f"unknown target(s) {unknown}; known: {list(TARGETS)} and proxy@LABEL for each "
+            "BENCH_TREES=LABEL=PATH"
+        )
     kinds = [x for x in args.bodies.split(",") if x]
     if not kinds or any(k not in BODIES for k in kinds):
         p.error(f"--bodies: one or more of {list(BODIES)}")

@@ -38,6 +38,10 @@ from trainer.recipe import VLLM_LORA_RANKS
 logger = logging.getLogger(__name__)
 
 ADAPTER_PREFIX = "trl-policy-"
+# N of a published adapter's name, at most 18 digits, as the proxy's own copy
+# (proxy/core/fleet.py): the name is a replica's word, and int() of a 5,000-digit version raises
+# ValueError; no run publishes a quintillion versions, so a longer one is not a name TRL publishes.
+_ADAPTER_VERSION = re.compile(re.escape(ADAPTER_PREFIX) + r"v(\d{1,18})\Z")
 # One /health probe; TRL's own readiness poll uses the same 5 s per request and 2 s between tries.
 PROBE_TIMEOUT_S = 5.0
 POLL_INTERVAL_S = 2.0
@@ -82,8 +86,8 @@ class ServerFacts:
 
 
 def adapter_version(name: str) -> int | None:
-    """N of ``trl-policy-vN``; None for any other name."""
-    match = re.fullmatch(re.escape(ADAPTER_PREFIX) + r"v(\d+)", name)
+    """N of ``trl-policy-vN`` (N of at most 18 digits); None for any other name."""
+    match = _ADAPTER_VERSION.match(name)
     return int(match.group(1)) if match else None
 
 
@@ -345,10 +349,12 @@ def run_preflight(
         assert verdict.facts is not None  # no problem implies the facts were read
         facts = verdict.facts
         if facts.stale_adapters and not sweep_stale:
+            # Only a name this run can publish collides: trl-policy-vN with N >= first_version.
+            # (An over-long version or another trl-policy-* name is left loaded, with the warning.)
             colliding = [
                 a
                 for a in facts.stale_adapters
-                if (adapter_version(a) or req.first_version) >= req.first_version
+                if (version := adapter_version(a)) is not None and version >= req.first_version
             ]
             if colliding:
                 raise PreflightError(

@@ -312,10 +312,32 @@ def test_sweep_disabled_refuses_names_this_run_will_publish() -> None:
         ("trl-policy-vx", None),
         ("my-adapter", None),
         ("trl-policy-v3-b", None),
+        ("trl-policy-v" + "9" * 18, 10**18 - 1),
+        # Longer is no name TRL publishes; int() of 5,000 digits would raise ValueError.
+        ("trl-policy-v" + "1" * 19, None),
+        ("trl-policy-v" + "9" * 5000, None),
+        ("trl-policy-v12\n", None),
     ],
 )
 def test_adapter_version(name: str, version: int | None) -> None:
     assert adapter_version(name) == version
+
+
+def test_over_long_adapter_version_from_the_replicas_is_not_a_crash() -> None:
+    """A replica listing trl-policy-v<5,000 digits> is an adapter this run cannot publish: with
+    the sweep disabled it is left loaded (warned), not a ValueError out of the preflight."""
+    huge = "trl-policy-v" + "9" * 5000
+    proxy = MockProxy(adapters=[huge])
+    facts = _run(proxy, sweep=False)
+    assert facts.stale_adapters == (huge,)
+    assert not [c for c in proxy.calls if c.startswith("POST")]
+    # Beside a name this run will publish, only that one is reported as colliding.
+    with pytest.raises(PreflightError, match=r"still loaded \(trl-policy-v2\) under names"):
+        _run(MockProxy(adapters=[huge, "trl-policy-v2"]), sweep=False)
+    # The sweep unloads it like any other trl-policy-* adapter.
+    proxy = MockProxy(adapters=[huge])
+    assert _run(proxy).adapters == ()
+    assert proxy.adapters == []
 
 
 def test_sweep_that_does_not_take_is_an_error() -> None:
