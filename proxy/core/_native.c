@@ -40,6 +40,10 @@
  *       Router.record_completion for a token-id prompt in one call (extend_chain, lookup,
  *       record).
  *
+ *   vllm_chain(algo, parent, tokens, start, stop, block_size, first_extra, extra)
+ *       vLLM's exact block digests (hashing.py's VllmHasher.digests: pickle or CBOR, sha256 or
+ *       xxh3-128), with their event keys; twin tests in tests/unit/test_vllm_chain_native.py.
+ *
  *   view_store / view_remove / view_hold / view_release / view_expect / view_prefix
  *       The KV-events views' per-key loops (proxy/core/kv_view.py's _store ... _prefix, twin
  *       tests in tests/unit/test_kv_view_native.py; see their section below).
@@ -1589,6 +1593,317 @@ fail:
     return NULL;
 }
 
+/* ---------------------------------------------------------------------------------------------
+ * vLLM's exact block digests (proxy/core/hashing.py's VllmHasher.digests is the reference,
+ * tests/unit/test_vllm_chain_native.py the twin tests). vLLM hashes each block as
+ * H(encode((parent_digest, tuple(block_tokens), extra))): H sha256 or xxh3-128, encode pickle
+ * (protocol 5) or canonical CBOR. In Python that is a tuple slice, a pickle.dumps and a hashlib
+ * call per block, ~4 us; the proxy-events router spent ~14% of its samples there (round 8's
+ * py-spy, bench/results/kv_events.md). Here the encoding is written byte for byte as pickle /
+ * cbor2 write it for this one shape -- a bytes, a tuple of non-negative ints, and `extra`, whose
+ * encoding the caller passes pre-made (hashing.py's _encoded_extras: the bytes pickle / cbor2
+ * write for it at that position, checked against the reference once per namespace) -- and
+ * hashed with the SHA-256 below or the vendored XXH3-128.
+ * ------------------------------------------------------------------------------------------- */
+
+/* SHA-256 (FIPS 180-4), portable C: what hashlib.sha256 computes. */
+typedef struct {
+    uint32_t h[8];
+    uint64_t length;
+    unsigned char buf[64];
+    size_t used;
+} Sha256;
+
+static const uint32_t sha256_k[64] = {
+    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4,
+    0xab1c5ed5, 0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe,
+    0x9bdc06a7, 0xc19bf174, 0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f,
+    0x4a7484aa, 0x5cb0a9dc, 0x76f988da, 0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7,
+    0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967, 0x27b70a85, 0x2e1b2138, 0x4d2c6dfc,
+    0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85, 0xa2bfe8a1, 0xa81a664b,
+    0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070, 0x19a4c116,
+    0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+    0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7,
+    0xc67178f2,
+};
+
+#define SHA_ROR(x, n) (((x) >> (n)) | ((x) << (32 - (n))))
+
+static void sha256_block(uint32_t *h, const unsigned char *p) {
+    uint32_t w[64];
+    for (int i = 0; i < 16; i++)
+        w[i] = (uint32_t)p[4 * i] << 24 | (uint32_t)p[4 * i + 1] << 16 |
+               (uint32_t)p[4 * i + 2] << 8 | (uint32_t)p[4 * i + 3];
+    for (int i = 16; i < 64; i++) {
+        uint32_t s0 = SHA_ROR(w[i - 15], 7) ^ SHA_ROR(w[i - 15], 18) ^ (w[i - 15] >> 3);
+        uint32_t s1 = SHA_ROR(w[i - 2], 17) ^ SHA_ROR(w[i - 2], 19) ^ (w[i - 2] >> 10);
+        w[i] = w[i - 16] + s0 + w[i - 7] + s1;
+    }
+    uint32_t a = h[0], b = h[1], c = h[2], d = h[3], e = h[4], f = h[5], g = h[6], k = h[7];
+    for (int i = 0; i < 64; i++) {
+        uint32_t t1 = k + (SHA_ROR(e, 6) ^ SHA_ROR(e, 11) ^ SHA_ROR(e, 25)) +
+                      ((e & f) ^ (~e & g)) + sha256_k[i] + w[i];
+        uint32_t t2 = (SHA_ROR(a, 2) ^ SHA_ROR(a, 13) ^ SHA_ROR(a, 22)) +
+                      ((a & b) ^ (a & c) ^ (b & c));
+        k = g;
+        g = f;
+        f = e;
+        e = d + t1;
+        d = c;
+        c = b;
+        b = a;
+        a = t1 + t2;
+    }
+    h[0] += a, h[1] += b, h[2] += c, h[3] += d, h[4] += e, h[5] += f, h[6] += g, h[7] += k;
+}
+
+static void sha256(const unsigned char *data, size_t n, unsigned char out[32]) {
+    uint32_t h[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
+                     0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
+    size_t full = n / 64 * 64;
+    for (size_t i = 0; i < full; i += 64) sha256_block(h, data + i);
+    unsigned char tail[128] = {0};
+    size_t rest = n - full, pad = rest < 56 ? 64 : 128;
+    memcpy(tail, data + full, rest);
+    tail[rest] = 0x80;
+    uint64_t bits = (uint64_t)n * 8;
+    for (int i = 0; i < 8; i++) tail[pad - 1 - i] = (unsigned char)(bits >> (8 * i));
+    sha256_block(h, tail);
+    if (pad == 128) sha256_block(h, tail + 64);
+    for (int i = 0; i < 8; i++) {
+        out[4 * i] = (unsigned char)(h[i] >> 24);
+        out[4 * i + 1] = (unsigned char)(h[i] >> 16);
+        out[4 * i + 2] = (unsigned char)(h[i] >> 8);
+        out[4 * i + 3] = (unsigned char)h[i];
+    }
+}
+
+/* hashing.py's VLLM_HASH_ALGOS order. */
+enum { ALGO_SHA256_PICKLE, ALGO_SHA256_CBOR, ALGO_XXH_PICKLE, ALGO_XXH_CBOR, ALGO_COUNT };
+
+/* One int as pickle (protocol >= 2) writes a non-negative int: BININT1 / BININT2 / BININT, or
+ * LONG1 with its little-endian two's complement bytes ((bits >> 3) + 1 of them). */
+static size_t pickle_uint(unsigned char *p, uint64_t v) {
+    if (v <= 0xff) {
+        p[0] = 'K', p[1] = (unsigned char)v;
+        return 2;
+    }
+    if (v <= 0xffff) {
+        p[0] = 'M', p[1] = (unsigned char)v, p[2] = (unsigned char)(v >> 8);
+        return 3;
+    }
+    if (v <= 0x7fffffff) {
+        p[0] = 'J';
+        for (int i = 0; i < 4; i++) p[1 + i] = (unsigned char)(v >> (8 * i));
+        return 5;
+    }
+    int bits = 64;
+    while (!(v >> (bits - 1))) bits--;
+    int nbytes = (bits >> 3) + 1;
+    p[0] = 0x8a, p[1] = (unsigned char)nbytes;
+    for (int i = 0; i < nbytes; i++) p[2 + i] = i < 8 ? (unsigned char)(v >> (8 * i)) : 0;
+    return 2 + (size_t)nbytes;
+}
+
+/* A CBOR head (major type, argument) in its shortest form, as cbor2 writes it. */
+static size_t cbor_head(unsigned char *p, unsigned major, uint64_t v) {
+    unsigned char m = (unsigned char)(major << 5);
+    if (v < 24) {
+        p[0] = m | (unsigned char)v;
+        return 1;
+    }
+    int n = v <= 0xff ? 1 : v <= 0xffff ? 2 : v <= 0xffffffffULL ? 4 : 8;
+    p[0] = m | (unsigned char)(n == 1 ? 24 : n == 2 ? 25 : n == 4 ? 26 : 27);
+    for (int i = 0; i < n; i++) p[1 + i] = (unsigned char)(v >> (8 * (n - 1 - i)));
+    return 1 + (size_t)n;
+}
+
+/* Encode (parent, tuple(ids), extra) into out; returns its length. out has room for
+ * 32 + parent + 11 * count + extra bytes (the longest int is LONG1's 11 bytes). */
+static size_t vllm_encode(int algo, unsigned char *out, const unsigned char *parent,
+                          Py_ssize_t parent_len, const uint64_t *ids, Py_ssize_t count,
+                          const unsigned char *extra, Py_ssize_t extra_len) {
+    unsigned char *p = out;
+    if (algo == ALGO_SHA256_CBOR || algo == ALGO_XXH_CBOR) {
+        *p++ = 0x83; /* an array of 3 */
+        p += cbor_head(p, 2, (uint64_t)parent_len);
+        memcpy(p, parent, (size_t)parent_len);
+        p += parent_len;
+        p += cbor_head(p, 4, (uint64_t)count);
+        for (Py_ssize_t i = 0; i < count; i++) p += cbor_head(p, 0, ids[i]);
+        memcpy(p, extra, (size_t)extra_len);
+        return (size_t)(p - out) + (size_t)extra_len;
+    }
+    /* PROTO 5, FRAME <length>, SHORT_BINBYTES parent MEMOIZE, the ids' tuple MEMOIZE, extra,
+     * TUPLE3 MEMOIZE STOP. */
+    p[0] = 0x80, p[1] = 5, p[2] = 0x95;
+    p += 11;
+    p[0] = 'C', p[1] = (unsigned char)parent_len;
+    memcpy(p + 2, parent, (size_t)parent_len);
+    p += 2 + parent_len;
+    *p++ = 0x94;
+    if (count > 3) *p++ = '(';
+    for (Py_ssize_t i = 0; i < count; i++) p += pickle_uint(p, ids[i]);
+    *p++ = count == 1 ? 0x85 : count == 2 ? 0x86 : count == 3 ? 0x87 : 't';
+    *p++ = 0x94;
+    memcpy(p, extra, (size_t)extra_len);
+    p += extra_len;
+    p[0] = 0x87, p[1] = 0x94, p[2] = '.';
+    p += 3;
+    uint64_t frame = (uint64_t)(p - out) - 11;
+    for (int i = 0; i < 8; i++) out[3 + i] = (unsigned char)(frame >> (8 * i));
+    return (size_t)(p - out);
+}
+
+/* The ids of `tokens` as uint64: an array's buffer of 4- or 8-byte unsigned ids, or a list /
+ * tuple of exact ints >= 0 that fit 64 bits. 0 done, 1 not such a sequence (the caller runs the
+ * reference), -1 error. *ids is PyMem_Malloc'ed on 0. */
+static int vllm_ids(PyObject *tokens, uint64_t **ids, Py_ssize_t *count) {
+    if (PyObject_TypeCheck(tokens, (PyTypeObject *)array_type)) {
+        Py_buffer view;
+        if (PyObject_GetBuffer(tokens, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) return -1;
+        const char *f = view.format ? view.format : "B";
+        int width = (strcmp(f, "I") == 0 && view.itemsize == 4) ? 4
+                    : ((strcmp(f, "L") == 0 || strcmp(f, "Q") == 0) && view.itemsize == 8) ? 8
+                                                                                          : 0;
+        if (width == 0) {
+            PyBuffer_Release(&view);
+            return 1;
+        }
+        Py_ssize_t n = view.len / width;
+        *ids = PyMem_Malloc(sizeof(uint64_t) * (size_t)(n ? n : 1));
+        if (*ids == NULL) {
+            PyBuffer_Release(&view);
+            PyErr_NoMemory();
+            return -1;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (width == 4) {
+                uint32_t v;
+                memcpy(&v, (const char *)view.buf + 4 * i, 4);
+                (*ids)[i] = v;
+            } else {
+                memcpy(&(*ids)[i], (const char *)view.buf + 8 * i, 8);
+            }
+        }
+        PyBuffer_Release(&view);
+        *count = n;
+        return 0;
+    }
+    if (!PyList_CheckExact(tokens) && !PyTuple_CheckExact(tokens)) return 1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(tokens);
+    PyObject **items = PySequence_Fast_ITEMS(tokens);
+    *ids = PyMem_Malloc(sizeof(uint64_t) * (size_t)(n ? n : 1));
+    if (*ids == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long long v;
+        /* Exact ints only: a bool or an int subclass pickles differently. */
+        if (!PyLong_CheckExact(items[i]) ||
+            ((v = PyLong_AsUnsignedLongLong(items[i])) == (unsigned long long)-1 &&
+             PyErr_Occurred())) {
+            PyErr_Clear();
+            PyMem_Free(*ids);
+            *ids = NULL;
+            return 1;
+        }
+        (*ids)[i] = v;
+    }
+    *count = n;
+    return 0;
+}
+
+/* vllm_chain(algo, parent, tokens, start, stop, block_size, first_extra, extra)
+ *   -> [(event key, digest)] for blocks start..stop-1, or None (tokens the reference must take).
+ * Block i's parent is block i-1's digest (`parent` for block start); block 0 is encoded with
+ * `first_extra`, every other one with `extra` (pre-encoded, see above). */
+static PyObject *vllm_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "vllm_chain takes 8 arguments");
+        return NULL;
+    }
+    long algo = PyLong_AsLong(args[0]);
+    if (algo == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t start = PyLong_AsSsize_t(args[3]), stop = PyLong_AsSsize_t(args[4]);
+    Py_ssize_t bs = PyLong_AsSsize_t(args[5]);
+    if ((start == -1 || stop == -1 || bs == -1) && PyErr_Occurred()) return NULL;
+    if (algo < 0 || algo >= ALGO_COUNT) {
+        PyErr_SetString(PyExc_ValueError, "unknown vLLM hash algorithm");
+        return NULL;
+    }
+    if (!PyBytes_Check(args[1]) || !PyBytes_Check(args[6]) || !PyBytes_Check(args[7])) {
+        PyErr_SetString(PyExc_TypeError, "parent and the extras must be bytes");
+        return NULL;
+    }
+    Py_ssize_t parent_len = PyBytes_GET_SIZE(args[1]);
+    int xxh = algo == ALGO_XXH_PICKLE || algo == ALGO_XXH_CBOR;
+    Py_ssize_t digest_len = xxh ? 16 : 32;
+    /* A digest this function makes, or the chain's root (a digest too): SHORT_BINBYTES and a
+     * one-byte CBOR length hold it; anything longer is not a vLLM digest. */
+    if (parent_len > 255 || bs < 1 || start < 0 || stop < start) {
+        PyErr_SetString(PyExc_ValueError, "vllm_chain: bad parent, block size or range");
+        return NULL;
+    }
+    uint64_t *ids = NULL;
+    Py_ssize_t count = 0;
+    int got = vllm_ids(args[2], &ids, &count);
+    if (got < 0) return NULL;
+    if (got > 0) Py_RETURN_NONE;
+    if (stop > count / bs) {
+        PyMem_Free(ids);
+        PyErr_SetString(PyExc_ValueError, "vllm_chain: stop is past the last full block");
+        return NULL;
+    }
+    Py_ssize_t extra_len = PyBytes_GET_SIZE(args[6]) > PyBytes_GET_SIZE(args[7])
+                               ? PyBytes_GET_SIZE(args[6])
+                               : PyBytes_GET_SIZE(args[7]);
+    size_t room = 32 + 255 + 11 * (size_t)bs + (size_t)extra_len;
+    unsigned char *buf = PyMem_Malloc(room);
+    PyObject *out = PyList_New(stop - start);
+    if (buf == NULL || out == NULL) {
+        PyMem_Free(ids);
+        PyMem_Free(buf);
+        Py_XDECREF(out);
+        return buf == NULL ? PyErr_NoMemory() : NULL;
+    }
+    unsigned char digest[32];
+    const unsigned char *parent = (const unsigned char *)PyBytes_AS_STRING(args[1]);
+    for (Py_ssize_t i = start; i < stop; i++) {
+        PyObject *extra = i == 0 ? args[6] : args[7];
+        size_t n = vllm_encode((int)algo, buf, parent, parent_len, ids + i * bs, bs,
+                               (const unsigned char *)PyBytes_AS_STRING(extra),
+                               PyBytes_GET_SIZE(extra));
+        if (xxh) {
+            XXH128_canonical_t c;
+            XXH128_canonicalFromHash(&c, XXH3_128bits(buf, n));
+            memcpy(digest, c.digest, 16);
+        } else {
+            sha256(buf, n, digest);
+        }
+        uint64_t key = 0;
+        for (Py_ssize_t j = digest_len - 8; j < digest_len; j++) key = key << 8 | digest[j];
+        PyObject *d = PyBytes_FromStringAndSize((const char *)digest, digest_len);
+        PyObject *k = d == NULL ? NULL : PyLong_FromUnsignedLongLong(key);
+        PyObject *entry = k == NULL ? NULL : PyTuple_Pack(2, k, d);
+        Py_XDECREF(k);
+        Py_XDECREF(d);
+        if (entry == NULL) {
+            PyMem_Free(ids);
+            PyMem_Free(buf);
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i - start, entry);
+        parent = (const unsigned char *)PyBytes_AS_STRING(d);
+        parent_len = digest_len;
+    }
+    PyMem_Free(ids);
+    PyMem_Free(buf);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"split_prompt", split_prompt, METH_O,
      "split_prompt(body) -> (array('I') ids, body with the prompt replaced by 0) or None"},
@@ -1618,6 +1933,9 @@ static PyMethodDef methods[] = {
      "view_expect(blocks, pending, keys, deadline): kv_view._expect"},
     {"view_prefix", (PyCFunction)(void (*)(void))view_prefix, METH_FASTCALL,
      "view_prefix(blocks, pending, freed, keys, doomed) -> n: kv_view._prefix"},
+    {"vllm_chain", (PyCFunction)(void (*)(void))vllm_chain, METH_FASTCALL,
+     "vllm_chain(algo, parent, tokens, start, stop, block_size, first_extra, extra) -> "
+     "[(event key, digest)] or None: VllmHasher.digests"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -18,3 +18,14 @@ def prefix_walk(
 def extend_chain(
     prompt: Buffer, start: int, completion: Sequence[int], block_size: int, parent: int, /
 ) -> list[int] | None: ...
+def vllm_chain(
+    algo: int,
+    parent: bytes,
+    tokens: Sequence[int],
+    start: int,
+    stop: int,
+    block_size: int,
+    first_extra: bytes,
+    extra: bytes,
+    /,
+) -> list[tuple[int, bytes]] | None: ...
