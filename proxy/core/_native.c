@@ -44,7 +44,7 @@
  *       vLLM's exact block digests (hashing.py's VllmHasher.digests: pickle or CBOR, sha256 or
  *       xxh3-128), with their event keys; twin tests in tests/unit/test_vllm_chain_native.py.
  *
- *   view_store / view_remove / view_hold / view_release / view_expect / view_prefix
+ *   view_store / view_remove / view_apply / view_hold / view_release / view_expect / view_prefix
  *       The KV-events views' per-key loops (proxy/core/kv_view.py's _store ... _prefix, twin
  *       tests in tests/unit/test_kv_view_native.py; see their section below).
  *
@@ -1360,10 +1360,10 @@ done:
  * events path's ~0.6 ms per request (bench/results/kv_events.md, round 8).
  *
  * The containers are the view's own: `blocks` a dict (key -> None), `pending` an OrderedDict
- * (key -> deadline), `freed` an OrderedDict (key -> stamp, least recently freed first), `pins` a
- * Counter (key -> requests pinning it), `tick` an itertools.count giving the stamps. The
- * OrderedDicts are only written through PyObject_SetItem / PyObject_DelItem, which keep their
- * order; reads go through the dict they are.
+ * (key -> deadline), `freed` a dict (key -> stamp, least recently freed first: insertion order),
+ * `pins` a Counter (key -> requests pinning it), `tick` an itertools.count giving the stamps.
+ * The OrderedDict is only written through PyObject_SetItem / PyObject_DelItem, which keep its
+ * order; reads go through the dict it is.
  * ------------------------------------------------------------------------------------------- */
 
 static int view_dicts(PyObject *const *args, Py_ssize_t count) {
@@ -1395,202 +1395,261 @@ static int view_stamp(PyObject *freed, PyObject *tick, PyObject *key) {
     return rc;
 }
 
-static int view_args(const char *name, Py_ssize_t nargs, Py_ssize_t want) {
+/* The preamble every view_* shares: `want` arguments, the first `dicts` of them dicts, and
+ * args[keys_at] as a fast sequence (a new reference the caller releases), or NULL. */
+static PyObject *view_keys(const char *name, PyObject *const *args, Py_ssize_t nargs,
+                           Py_ssize_t want, Py_ssize_t dicts, Py_ssize_t keys_at) {
     if (nargs != want) {
         PyErr_Format(PyExc_TypeError, "%s takes %zd arguments", name, want);
-        return -1;
+        return NULL;
     }
-    return 0;
+    if (view_dicts(args, dicts) < 0) return NULL;
+    return PySequence_Fast(args[keys_at], "keys must be a sequence");
 }
 
-/* view_store(blocks, pending, freed, pins, tick, keys) -> confirmed: one BlockStored. */
-static PyObject *view_store(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (view_args("view_store", nargs, 6) < 0 || view_dicts(args, 4) < 0) return NULL;
-    PyObject *blocks = args[0], *pending = args[1], *freed = args[2], *pins = args[3];
-    PyObject *keys = PySequence_Fast(args[5], "keys must be a sequence");
-    if (keys == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys), confirmed = 0;
-    PyObject **items = PySequence_Fast_ITEMS(keys);
+#define KEYS_ITEMS(keys) PySequence_Fast_ITEMS(keys), PySequence_Fast_GET_SIZE(keys)
+
+/* One BlockStored's keys -> how many were pending, or -1. */
+static Py_ssize_t store_keys(PyObject *blocks, PyObject *pending, PyObject *freed, PyObject *pins,
+                             PyObject *tick, PyObject **items, Py_ssize_t n) {
+    Py_ssize_t confirmed = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *key = items[i];
-        if (PyDict_SetItem(blocks, key, Py_None) < 0) goto fail;
+        if (PyDict_SetItem(blocks, key, Py_None) < 0) return -1;
         if (PyDict_GET_SIZE(pending)) {
             int popped = view_pop(pending, key);
-            if (popped < 0) goto fail;
+            if (popped < 0) return -1;
             confirmed += popped;
         }
         int pinned = PyDict_Contains(pins, key);
-        if (pinned < 0) goto fail;
+        if (pinned < 0) return -1;
         if (pinned) continue;
         int was = PyDict_Contains(freed, key);
-        if (was < 0) goto fail;
-        if (!was && view_stamp(freed, args[4], key) < 0) goto fail;
+        if (was < 0) return -1;
+        if (!was && view_stamp(freed, tick, key) < 0) return -1;
     }
+    return confirmed;
+}
+
+/* One BlockRemoved's keys -> how many were pending, or -1. */
+static Py_ssize_t remove_keys(PyObject *blocks, PyObject *pending, PyObject *freed,
+                              PyObject **items, Py_ssize_t n) {
+    Py_ssize_t confirmed = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = items[i];
+        if (view_pop(blocks, key) < 0 || view_pop(freed, key) < 0) return -1;
+        if (PyDict_GET_SIZE(pending)) {
+            int popped = view_pop(pending, key);
+            if (popped < 0) return -1;
+            confirmed += popped;
+        }
+    }
+    return confirmed;
+}
+
+/* A count as a Python int, or NULL where the loop failed (-1). */
+static PyObject *view_count(Py_ssize_t n) { return n < 0 ? NULL : PyLong_FromSsize_t(n); }
+
+/* view_store(blocks, pending, freed, pins, tick, keys) -> confirmed: one BlockStored. */
+static PyObject *view_store(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    PyObject *keys = view_keys("view_store", args, nargs, 6, 4, 5);
+    if (keys == NULL) return NULL;
+    Py_ssize_t confirmed = store_keys(args[0], args[1], args[2], args[3], args[4], KEYS_ITEMS(keys));
     Py_DECREF(keys);
-    return PyLong_FromSsize_t(confirmed);
-fail:
-    Py_DECREF(keys);
-    return NULL;
+    return view_count(confirmed);
 }
 
 /* view_remove(blocks, pending, freed, keys) -> confirmed: one BlockRemoved. */
 static PyObject *view_remove(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (view_args("view_remove", nargs, 4) < 0 || view_dicts(args, 3) < 0) return NULL;
-    PyObject *blocks = args[0], *pending = args[1], *freed = args[2];
-    PyObject *keys = PySequence_Fast(args[3], "keys must be a sequence");
+    PyObject *keys = view_keys("view_remove", args, nargs, 4, 3, 3);
     if (keys == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys), confirmed = 0;
-    PyObject **items = PySequence_Fast_ITEMS(keys);
+    Py_ssize_t confirmed = remove_keys(args[0], args[1], args[2], KEYS_ITEMS(keys));
+    Py_DECREF(keys);
+    return view_count(confirmed);
+}
+
+static PyObject *s_kind, *s_keys, *s_block_stored, *s_block_removed;
+
+/* view_apply(blocks, pending, freed, pins, tick, events, start) -> (confirmed, stop):
+ * kv_view._apply, a batch's BlockStored / BlockRemoved events from `start` on in one call (the
+ * tight benchmark's batches carry ~140 one-key BlockRemoved each: one call per key before),
+ * stopping at the first event of another kind (AllBlocksCleared: the view resets its
+ * containers and calls again after it); stop = len(events) when none. */
+static PyObject *view_apply(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    PyObject *events = view_keys("view_apply", args, nargs, 7, 4, 5);
+    if (events == NULL) return NULL;
+    Py_ssize_t start = PyLong_AsSsize_t(args[6]), total = PySequence_Fast_GET_SIZE(events);
+    Py_ssize_t confirmed = 0, i = start;
+    if (start == -1 && PyErr_Occurred()) goto fail;
+    if (start < 0) {
+        PyErr_SetString(PyExc_ValueError, "view_apply: start must be >= 0");
+        goto fail;
+    }
+    for (; i < total; i++) {
+        PyObject *event = PySequence_Fast_ITEMS(events)[i];
+        PyObject *kind = PyObject_GetAttr(event, s_kind);
+        if (kind == NULL) goto fail;
+        /* event.kind == STORED / REMOVED, as the reference compares them */
+        int stored = PyObject_RichCompareBool(kind, s_block_stored, Py_EQ);
+        int removed = stored ? 0 : PyObject_RichCompareBool(kind, s_block_removed, Py_EQ);
+        Py_DECREF(kind);
+        if (stored < 0 || removed < 0) goto fail;
+        if (!stored && !removed) break;
+        PyObject *value = PyObject_GetAttr(event, s_keys);
+        if (value == NULL) goto fail;
+        PyObject *keys = PySequence_Fast(value, "keys must be a sequence");
+        Py_DECREF(value);
+        if (keys == NULL) goto fail;
+        Py_ssize_t got = stored ? store_keys(args[0], args[1], args[2], args[3], args[4],
+                                             KEYS_ITEMS(keys))
+                                : remove_keys(args[0], args[1], args[2], KEYS_ITEMS(keys));
+        Py_DECREF(keys);
+        if (got < 0) goto fail;
+        confirmed += got;
+    }
+    Py_DECREF(events);
+    return Py_BuildValue("(nn)", confirmed, i);
+fail:
+    Py_DECREF(events);
+    return NULL;
+}
+
+/* A routed request pins its prompt's keys -> how many must be allocated (not cached), or -1. */
+static Py_ssize_t hold_keys(PyObject *pins, PyObject *freed, PyObject *blocks, PyObject **items,
+                            Py_ssize_t n) {
+    Py_ssize_t fresh = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *key = items[i];
-        if (view_pop(blocks, key) < 0 || view_pop(freed, key) < 0) goto fail;
-        if (PyDict_GET_SIZE(pending)) {
-            int popped = view_pop(pending, key);
-            if (popped < 0) goto fail;
-            confirmed += popped;
-        }
+        PyObject *had = PyDict_GetItemWithError(pins, key); /* borrowed */
+        if (had == NULL && PyErr_Occurred()) return -1;
+        long pinned = 0;
+        if (had != NULL && (pinned = PyLong_AsLong(had)) == -1 && PyErr_Occurred()) return -1;
+        PyObject *count = PyLong_FromLong(pinned + 1);
+        if (count == NULL) return -1;
+        int rc = PyDict_SetItem(pins, key, count);
+        Py_DECREF(count);
+        if (rc < 0 || view_pop(freed, key) < 0) return -1;
+        int cached = PyDict_Contains(blocks, key);
+        if (cached < 0) return -1;
+        fresh += !cached;
     }
-    Py_DECREF(keys);
-    return PyLong_FromSsize_t(confirmed);
-fail:
-    Py_DECREF(keys);
-    return NULL;
+    return fresh;
 }
 
 /* view_hold(pins, freed, blocks, keys) -> new: a routed request pins its prompt's keys. */
 static PyObject *view_hold(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (view_args("view_hold", nargs, 4) < 0 || view_dicts(args, 3) < 0) return NULL;
-    PyObject *pins = args[0], *freed = args[1], *blocks = args[2];
-    PyObject *keys = PySequence_Fast(args[3], "keys must be a sequence");
+    PyObject *keys = view_keys("view_hold", args, nargs, 4, 3, 3);
     if (keys == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys), fresh = 0;
-    PyObject **items = PySequence_Fast_ITEMS(keys);
-    for (Py_ssize_t i = 0; i < n; i++) {
+    Py_ssize_t fresh = hold_keys(args[0], args[1], args[2], KEYS_ITEMS(keys));
+    Py_DECREF(keys);
+    return view_count(fresh);
+}
+
+/* A request's answer came back: its keys, last first -> 0, or -1. */
+static Py_ssize_t release_keys(PyObject *pins, PyObject *freed, PyObject *blocks, PyObject *tick,
+                               PyObject **items, Py_ssize_t n) {
+    for (Py_ssize_t i = n - 1; i >= 0; i--) {
         PyObject *key = items[i];
-        PyObject *had = PyDict_GetItemWithError(pins, key);  /* borrowed */
-        if (had == NULL && PyErr_Occurred()) goto fail;
-        long pinned = 0;
-        if (had != NULL && (pinned = PyLong_AsLong(had)) == -1 && PyErr_Occurred()) goto fail;
-        PyObject *count = PyLong_FromLong(pinned + 1);
-        if (count == NULL) goto fail;
-        int rc = PyDict_SetItem(pins, key, count);
-        Py_DECREF(count);
-        if (rc < 0 || view_pop(freed, key) < 0) goto fail;
+        PyObject *had = PyDict_GetItemWithError(pins, key); /* borrowed */
+        if (had == NULL && PyErr_Occurred()) return -1;
+        if (had != NULL) {
+            long pinned = PyLong_AsLong(had);
+            if (pinned == -1 && PyErr_Occurred()) return -1;
+            if (pinned > 1) {
+                PyObject *count = PyLong_FromLong(pinned - 1);
+                if (count == NULL) return -1;
+                int rc = PyDict_SetItem(pins, key, count);
+                Py_DECREF(count);
+                if (rc < 0) return -1;
+                continue;
+            }
+            if (PyDict_DelItem(pins, key) < 0) return -1;
+        }
         int cached = PyDict_Contains(blocks, key);
-        if (cached < 0) goto fail;
-        fresh += !cached;
+        if (cached < 0) return -1;
+        if (cached && (view_pop(freed, key) < 0 || view_stamp(freed, tick, key) < 0)) return -1;
     }
-    Py_DECREF(keys);
-    return PyLong_FromSsize_t(fresh);
-fail:
-    Py_DECREF(keys);
-    return NULL;
+    return 0;
 }
 
 /* view_release(pins, freed, blocks, tick, keys): a request's answer came back; last key first. */
 static PyObject *view_release(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (view_args("view_release", nargs, 5) < 0 || view_dicts(args, 3) < 0) return NULL;
-    PyObject *pins = args[0], *freed = args[1], *blocks = args[2];
-    PyObject *keys = PySequence_Fast(args[4], "keys must be a sequence");
+    PyObject *keys = view_keys("view_release", args, nargs, 5, 3, 4);
     if (keys == NULL) return NULL;
-    PyObject **items = PySequence_Fast_ITEMS(keys);
-    for (Py_ssize_t i = PySequence_Fast_GET_SIZE(keys) - 1; i >= 0; i--) {
-        PyObject *key = items[i];
-        PyObject *had = PyDict_GetItemWithError(pins, key);  /* borrowed */
-        if (had == NULL && PyErr_Occurred()) goto fail;
-        if (had != NULL) {
-            long pinned = PyLong_AsLong(had);
-            if (pinned == -1 && PyErr_Occurred()) goto fail;
-            if (pinned > 1) {
-                PyObject *count = PyLong_FromLong(pinned - 1);
-                if (count == NULL) goto fail;
-                int rc = PyDict_SetItem(pins, key, count);
-                Py_DECREF(count);
-                if (rc < 0) goto fail;
-                continue;
-            }
-            if (PyDict_DelItem(pins, key) < 0) goto fail;
-        }
-        int cached = PyDict_Contains(blocks, key);
-        if (cached < 0) goto fail;
-        if (cached && (view_pop(freed, key) < 0 || view_stamp(freed, args[3], key) < 0)) goto fail;
-    }
+    Py_ssize_t rc = release_keys(args[0], args[1], args[2], args[3], KEYS_ITEMS(keys));
     Py_DECREF(keys);
+    if (rc < 0) return NULL;
     Py_RETURN_NONE;
-fail:
-    Py_DECREF(keys);
-    return NULL;
+}
+
+/* Keys just sent: the ones not cached pending until `deadline`, newest last -> 0, or -1. */
+static Py_ssize_t expect_keys(PyObject *blocks, PyObject *pending, PyObject *deadline,
+                              PyObject **items, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = items[i];
+        int cached = PyDict_Contains(blocks, key);
+        if (cached < 0) return -1;
+        if (cached) continue;
+        /* pending[key] = deadline, moved to the end (the most recent) */
+        if (view_pop(pending, key) < 0 || PyObject_SetItem(pending, key, deadline) < 0) return -1;
+    }
+    return 0;
 }
 
 /* view_expect(blocks, pending, keys, deadline): keys just sent, pending until reported. */
 static PyObject *view_expect(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (view_args("view_expect", nargs, 4) < 0 || view_dicts(args, 2) < 0) return NULL;
-    PyObject *blocks = args[0], *pending = args[1], *deadline = args[3];
-    PyObject *keys = PySequence_Fast(args[2], "keys must be a sequence");
+    PyObject *keys = view_keys("view_expect", args, nargs, 4, 2, 2);
     if (keys == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
-    PyObject **items = PySequence_Fast_ITEMS(keys);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *key = items[i];
-        int cached = PyDict_Contains(blocks, key);
-        if (cached < 0) goto fail;
-        if (cached) continue;
-        /* pending[key] = deadline, moved to the end (the most recent) */
-        if (view_pop(pending, key) < 0 || PyObject_SetItem(pending, key, deadline) < 0) goto fail;
-    }
+    Py_ssize_t rc = expect_keys(args[0], args[1], args[3], KEYS_ITEMS(keys));
     Py_DECREF(keys);
+    if (rc < 0) return NULL;
     Py_RETURN_NONE;
-fail:
-    Py_DECREF(keys);
-    return NULL;
 }
 
-/* view_prefix(blocks, pending, freed, keys, doomed) -> n: ReplicaView.held_prefix's walk. */
-static PyObject *view_prefix(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (view_args("view_prefix", nargs, 5) < 0 || view_dicts(args, 3) < 0) return NULL;
-    PyObject *blocks = args[0], *pending = args[1], *freed = args[2];
-    long long doomed = PyLong_AsLongLong(args[4]);
-    if (doomed == -1 && PyErr_Occurred()) return NULL;
-    PyObject *keys = PySequence_Fast(args[3], "keys must be a sequence");
-    if (keys == NULL) return NULL;
-    Py_ssize_t total = PySequence_Fast_GET_SIZE(keys), n = 0;
-    PyObject **items = PySequence_Fast_ITEMS(keys);
+/* ReplicaView.held_prefix's walk over `items` -> n, or -1. */
+static Py_ssize_t prefix_keys(PyObject *blocks, PyObject *pending, PyObject *freed,
+                              long long doomed, PyObject **items, Py_ssize_t total) {
+    Py_ssize_t n = 0;
     for (; n < total; n++) {
         int cached = PyDict_Contains(blocks, items[n]);
-        if (cached < 0) goto fail;
+        if (cached < 0) return -1;
         if (!cached) break;
     }
     if (doomed >= 0) {
         for (Py_ssize_t i = 0; i < n; i++) {
-            PyObject *stamp = PyDict_GetItemWithError(freed, items[i]);  /* borrowed */
+            PyObject *stamp = PyDict_GetItemWithError(freed, items[i]); /* borrowed */
             if (stamp == NULL) {
-                if (PyErr_Occurred()) goto fail;
+                if (PyErr_Occurred()) return -1;
                 continue;
             }
             long long at = PyLong_AsLongLong(stamp);
-            if (at == -1 && PyErr_Occurred()) goto fail;
-            if (at <= doomed) {
-                n = i;
-                goto done;
-            }
+            if (at == -1 && PyErr_Occurred()) return -1;
+            if (at <= doomed) return i;
         }
     }
     if (PyDict_GET_SIZE(pending)) {
         for (; n < total; n++) {
             int cached = PyDict_Contains(blocks, items[n]);
-            if (cached < 0) goto fail;
+            if (cached < 0) return -1;
             if (cached) continue;
             int sent = PyDict_Contains(pending, items[n]);
-            if (sent < 0) goto fail;
+            if (sent < 0) return -1;
             if (!sent) break;
         }
     }
-done:
+    return n;
+}
+
+/* view_prefix(blocks, pending, freed, keys, doomed) -> n: ReplicaView.held_prefix's walk. */
+static PyObject *view_prefix(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    PyObject *keys = view_keys("view_prefix", args, nargs, 5, 3, 3);
+    if (keys == NULL) return NULL;
+    long long doomed = PyLong_AsLongLong(args[4]);
+    Py_ssize_t n = doomed == -1 && PyErr_Occurred()
+                       ? -1
+                       : prefix_keys(args[0], args[1], args[2], doomed, KEYS_ITEMS(keys));
     Py_DECREF(keys);
-    return PyLong_FromSsize_t(n);
-fail:
-    Py_DECREF(keys);
-    return NULL;
+    return view_count(n);
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -1931,6 +1990,9 @@ static PyMethodDef methods[] = {
      "view_release(pins, freed, blocks, tick, keys): kv_view._release"},
     {"view_expect", (PyCFunction)(void (*)(void))view_expect, METH_FASTCALL,
      "view_expect(blocks, pending, keys, deadline): kv_view._expect"},
+    {"view_apply", (PyCFunction)(void (*)(void))view_apply, METH_FASTCALL,
+     "view_apply(blocks, pending, freed, pins, tick, events, start) -> (confirmed, stop): "
+     "kv_view._apply"},
     {"view_prefix", (PyCFunction)(void (*)(void))view_prefix, METH_FASTCALL,
      "view_prefix(blocks, pending, freed, keys, doomed) -> n: kv_view._prefix"},
     {"vllm_chain", (PyCFunction)(void (*)(void))vllm_chain, METH_FASTCALL,
@@ -1962,7 +2024,8 @@ PyMODINIT_FUNC PyInit__native(void) {
         {&s_step_base, "decode_step_base_s"}, {&s_imbalance, "imbalance"},
         {&s_replica, "replica"}, {&s_outcome, "outcome"}, {&s_matched_blocks, "matched_blocks"},
         {&s_blocks, "blocks"}, {&s_affinity, "affinity"}, {&s_spilled, "spilled"},
-        {&s_unmatched, "unmatched"},
+        {&s_unmatched, "unmatched"}, {&s_kind, "kind"}, {&s_keys, "keys"},
+        {&s_block_stored, "BlockStored"}, {&s_block_removed, "BlockRemoved"},
     };
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
         *names[i].slot = PyUnicode_InternFromString(names[i].text);
