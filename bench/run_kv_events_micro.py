@@ -148,7 +148,14 @@ def request_costs(rng: random.Random, prompt_tokens: int) -> list[tuple[str, flo
         + b']}],"usage":{"prompt_tokens":%d,"total_tokens":%d,"completion_tokens":600,'
         b'"prompt_tokens_details":{"cached_tokens":%d}}}' % (prompt_tokens, prompt_tokens, 512)
     )
-    from proxy.kv_events import _CACHED_TOKENS
+    from proxy.kv_events import _CACHED_TOKENS, first_match
+
+    # The same answer carrying its prompt's ids too (return_token_ids: what the routing
+    # benchmark's client asks for, to learn completions).
+    with_prompt = body.replace(
+        b'"token_ids":[', b'"prompt_token_ids":[' + b",".join(b"%d" % t for t in tokens) + b'],'
+        b'"token_ids":['
+    )  # fmt: skip
 
     key = RoutingKey("trl-policy-v7", tokens, None, None, False, 1)
     loads = [(r, 0.0) for r in replicas]
@@ -193,6 +200,13 @@ def request_costs(rng: random.Random, prompt_tokens: int) -> list[tuple[str, flo
             key, exact_decision, completions[next(turn_no) % 2048]))),
         ("answer check: cached_tokens regex over a 600-token answer", per_call_us(
             lambda: _CACHED_TOKENS.search(body))),
+        ("answer check: cached_tokens, find + match (first_match), 600-token answer",
+         per_call_us(lambda: first_match(_CACHED_TOKENS, b'"cached_tokens"', body))),
+        (f"answer check: cached_tokens regex, answer with its {prompt_tokens} prompt ids "
+         f"({len(with_prompt) // 1024} KiB)", per_call_us(
+            lambda: _CACHED_TOKENS.search(with_prompt))),
+        (f"answer check: cached_tokens, find + match, answer with its {prompt_tokens} prompt "
+         "ids", per_call_us(lambda: first_match(_CACHED_TOKENS, b'"cached_tokens"', with_prompt))),
     ]  # fmt: skip
 
 
