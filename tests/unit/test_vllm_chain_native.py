@@ -9,8 +9,10 @@ Skipped where the extension is not built."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from array import array
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -134,3 +136,17 @@ def test_vllm_vectors_through_c(case: dict[str, Any]) -> None:
     assert hasher.hash_tokens(case["token_ids"], ns) == case["event_block_hashes"]
     if case["event_block_hashes"]:  # a prompt shorter than a block hashes nothing
         assert hasher._encoded[(ns.model, ns.lora_path, ns.cache_salt, True)] is not None
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(max_size=300), st.booleans())
+def test_sha256_on_either_path_is_hashlibs(data: bytes, accelerated: bool) -> None:
+    """vllm_chain's SHA-256: the CPU's SHA extensions where it has them (SHA256_ACCELERATED),
+    and the portable code, each against hashlib, over every padding case (0-300 bytes)."""
+    assert native.sha256_hook(data, accelerated) == hashlib.sha256(data).digest()
+
+
+def test_the_accelerated_path_is_tested_where_the_cpu_has_it() -> None:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if " sha_ni" in flags:
+        assert native.SHA256_ACCELERATED == 1
