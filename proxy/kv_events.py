@@ -27,7 +27,7 @@ import re
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any, cast
+from typing import Annotated, Any
 from urllib.parse import urlsplit
 
 import msgpack
@@ -58,11 +58,6 @@ END_OF_REPLAY = -1
 # A batch is one scheduler step: at most max_num_seqs (256) requests' new blocks with their token
 # ids, a few MB at the recipe's 4,096-token context. 64 MiB refuses only garbage.
 MAX_MESSAGE_BYTES = 64 * 2**20
-# Batches read back to back from a subscriber's queue before the event loop runs again: one
-# batch costs ~10-40 us to decode and apply (bench.run_kv_events_micro), so 32 hold the loop
-# for ~1 ms at most, less than one request's routing on the events path (~3 ms of CPU), while
-# a replica publishing one batch per scheduler step rarely queues more between two reads.
-MAX_DRAINED_BATCHES = 32
 # How often the supervisor looks for replicas added, ejected or removed (a fleet change is rare;
 # one second is short next to a replica's ~30 s start-up).
 SUPERVISE_INTERVAL_S = 1.0
@@ -241,34 +236,18 @@ class ReplicaSubscriber:
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.endpoints.events)
         log.info("replica %d: subscribed to KV events at %s", self.index, self.endpoints.events)
-        # The same socket without asyncio: batches already queued behind the one awaited are
-        # read without a future and an event-loop wake-up each (pyzmq's asyncio receive was
-        # ~1/3 of the subscriber's samples, bench/results/kv_events.md round 9). Safe with the
-        # asyncio socket's edge-triggered descriptor: its next receive checks ZMQ_EVENTS first.
-        drain: zmq.Socket[Any] = zmq.Socket.shadow(sock.underlying)
         try:
             while True:
-                await self._handle_safely(await sock.recv_multipart())
-                for _ in range(MAX_DRAINED_BATCHES):
-                    # Asking first costs a getsockopt; a receive that finds nothing raises.
-                    if not cast(int, drain.get(zmq.EVENTS)) & zmq.POLLIN:
-                        break
-                    try:
-                        frames = drain.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    await self._handle_safely(frames)
+                frames = await sock.recv_multipart()
+                try:
+                    await self.handle(frames)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # a bug here must not end the subscription
+                    log.exception("replica %d: KV event batch failed", self.index)
+                    self.view.drop()
         finally:
             sock.close(linger=0)
-
-    async def _handle_safely(self, frames: Sequence[bytes]) -> None:
-        try:
-            await self.handle(frames)
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # a bug here must not end the subscription
-            log.exception("replica %d: KV event batch failed", self.index)
-            self.view.drop()
 
     async def handle(self, frames: Sequence[bytes]) -> None:
         if len(frames) != 3 or len(frames[1]) != 8:
