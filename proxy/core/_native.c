@@ -1,7 +1,8 @@
 /*
  * proxy.core._native: the per-request work of a token-id completion, outside the interpreter.
  *
- * Seven functions (and the views' six loops listed last), each with a pure-Python reference that stays the specification
+ * Seven functions, vLLM's exact digests and the views' seven loops (listed last), each with a
+ * pure-Python reference that stays the specification
  * (proxy/core/extract.py + proxy/hotpath.py's parse, proxy/core/hashing.py's _chain and
  * FastHasher.extend, proxy/core/prefix_index.py's record and reach, proxy/core/router.py's
  * Router.route with proxy/core/policy.py's policies) and that tests compare against on random
