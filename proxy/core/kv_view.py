@@ -281,7 +281,7 @@ def _apply(
     BlockRemoved (AllBlocksCleared: the view resets its containers, then calls again after it).
     Returns (how many keys were pending, where it stopped: ``len(events)`` when at the end).
     One call per batch: the tight benchmark's batches carry ~140 one-key BlockRemoved events,
-    one C call each before (bench/results/kv_events.md, round 9)."""
+    one C call each before (bench/results/kv_events_cpu_r9.md)."""
     if start < 0:
         raise ValueError("view_apply: start must be >= 0")
     confirmed = 0
