@@ -27,6 +27,7 @@ simulated at time_scale 0.1, 30x more often than vllm-router's 60 s real = 600 s
 - ``proxy@LABEL``: rollout-proxy, default policy, as another checkout of this repository runs it
   (``BENCH_TREES=LABEL=PATH,...``; PATH's own ``.venv``, made by its ``make setup``): a change
   measured against its base in the same run, side by side, without a switch in the product.
+  ``proxy-events@LABEL`` and ``proxy-exact@LABEL`` likewise.
 
 To add a router, add a :class:`RouterSpec` to ``ROUTERS`` (name, how to start it); the runner
 iterates over whatever is registered.
@@ -37,7 +38,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from bench.procs import find_tool, free_port
@@ -154,6 +155,13 @@ def select(names: Sequence[str]) -> list[RouterSpec]:
     for label, path in trees().items():
         name = f"proxy@{label}"
         known[name] = RouterSpec(name, f"rollout-proxy as checked out at {path}", tree=path)
+        # The events router and its exact-hash control too, so a change to the events path is
+        # measured against its base in one run as well.
+        for variant in ("proxy-events", "proxy-exact"):
+            spec, name = ROUTERS[variant], f"{variant}@{label}"
+            known[name] = replace(
+                spec, name=name, description=f"{spec.description}, as at {path}", tree=path
+            )
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ValueError(

@@ -20,12 +20,13 @@ import time
 import tracemalloc
 from array import array
 from collections.abc import Callable
+from typing import Any
 
 import msgpack
 
 from proxy.core.extract import RoutingKey
 from proxy.core.hashing import FastHasher, Namespace, VllmHasher
-from proxy.core.kv_view import BlockEvent, PreciseMatcher, ReplicaView
+from proxy.core.kv_view import REMOVED, STORED, BlockEvent, PreciseMatcher, ReplicaView
 from proxy.core.policy import PrefixAffinity
 from proxy.core.prefix_index import PrefixIndex
 from proxy.core.router import Router
@@ -147,7 +148,14 @@ def request_costs(rng: random.Random, prompt_tokens: int) -> list[tuple[str, flo
         + b']}],"usage":{"prompt_tokens":%d,"total_tokens":%d,"completion_tokens":600,'
         b'"prompt_tokens_details":{"cached_tokens":%d}}}' % (prompt_tokens, prompt_tokens, 512)
     )
-    from proxy.kv_events import _CACHED_TOKENS
+    from proxy.kv_events import _CACHED_TOKENS, first_match
+
+    # The same answer carrying its prompt's ids too (return_token_ids: what the routing
+    # benchmark's client asks for, to learn completions).
+    with_prompt = body.replace(
+        b'"token_ids":[', b'"prompt_token_ids":[' + b",".join(b"%d" % t for t in tokens) + b'],'
+        b'"token_ids":['
+    )  # fmt: skip
 
     key = RoutingKey("trl-policy-v7", tokens, None, None, False, 1)
     loads = [(r, 0.0) for r in replicas]
@@ -192,7 +200,81 @@ def request_costs(rng: random.Random, prompt_tokens: int) -> list[tuple[str, flo
             key, exact_decision, completions[next(turn_no) % 2048]))),
         ("answer check: cached_tokens regex over a 600-token answer", per_call_us(
             lambda: _CACHED_TOKENS.search(body))),
+        ("answer check: cached_tokens, find + match (first_match), 600-token answer",
+         per_call_us(lambda: first_match(_CACHED_TOKENS, b'"cached_tokens"', body))),
+        (f"answer check: cached_tokens regex, answer with its {prompt_tokens} prompt ids "
+         f"({len(with_prompt) // 1024} KiB)", per_call_us(
+            lambda: _CACHED_TOKENS.search(with_prompt))),
+        (f"answer check: cached_tokens, find + match, answer with its {prompt_tokens} prompt "
+         "ids", per_call_us(lambda: first_match(_CACHED_TOKENS, b'"cached_tokens"', with_prompt))),
     ]  # fmt: skip
+
+
+def exact_hash_costs(rng: random.Random, rounds: int = 3) -> list[tuple[str, float]]:
+    """The exact vLLM hashes with the digests the memo lacks computed in C (PROXY_NATIVE,
+    _native.c's vllm_chain) and in Python (the reference: pickle + hashlib per block, as in
+    round 8; the memo's XXH3 prefix chains in C in both), on a
+    4,096-token adapter prompt: not seen before (memo off: every block hashed), remembered
+    (a group's other rollouts: no block hashed), an agent's next turn (+664 new tokens: 41
+    blocks hashed) and a 600-token completion recorded after it was routed (37 blocks).
+    Interleaved, C then Python, ``rounds`` times; the best of each."""
+    tokens = array("I", (rng.randrange(151_000) for _ in range(4096)))
+    ns = Namespace("trl-policy-v7", "/adapters/trl-policy-v7")
+    turns = [array("I", (rng.randrange(151_000) for _ in range(664))) for _ in range(2048)]
+    completions = [[rng.randrange(151_000) for _ in range(600)] for _ in range(2048)]
+    key = RoutingKey("trl-policy-v7", tokens, None, None, False, 1)
+    loads = [(r, 0.0) for r in range(4)]
+    setups = {}
+    for native in (True, False):
+        warm = VllmHasher(BLOCK, "sha256")
+        cold = VllmHasher(BLOCK, "sha256", memo_blocks=0)
+        if not native:  # round 8: the memo's prefix chains in C, the digests in Python
+            warm._vllm_chain = cold._vllm_chain = None
+        router = Router(warm, PrefixIndex(1 << 19), PrefixAffinity(8))
+        setups[native] = (warm, cold, router, router.route(key, loads))
+    turn_no = itertools.count()
+    best: dict[tuple[str, bool], float] = {}
+    for _ in range(rounds):
+        for native, (warm, cold, router, decision) in setups.items():
+            cases = _exact_cases(warm, cold, router, decision, key, ns, turns, completions, turn_no)
+            for name, fn in cases:
+                us = per_call_us(fn)
+                best[(name, native)] = min(best.get((name, native), us), us)
+    order = sorted(best.items(), key=lambda x: (x[0][0], not x[0][1]))
+    return [(f"exact hashes, digests in {'C' if native else 'Python (round 8)'}: 4096-token "
+             f"prompt, {name}", us) for (name, native), us in order]  # fmt: skip
+
+
+def _exact_cases(
+    warm: VllmHasher,
+    cold: VllmHasher,
+    router: Router,
+    decision: Any,
+    key: RoutingKey,
+    ns: Namespace,
+    turns: list[array[int]],
+    completions: list[list[int]],
+    turn_no: itertools.count[int],
+) -> list[tuple[str, Callable[[], object]]]:
+    tokens = key.tokens
+    assert isinstance(tokens, array)
+
+    def unseen() -> object:
+        return cold.hash_tokens(tokens, ns)
+
+    def remembered() -> object:
+        return warm.hash_tokens(tokens, ns)
+
+    def next_turn() -> object:
+        return warm.hash_tokens(tokens + turns[next(turn_no) % 2048], ns)
+
+    def completion() -> object:
+        router.record_completion(key, decision, completions[next(turn_no) % 2048])
+        return None
+
+    return [("prompt not seen before (memo off)", unseen), ("prompt remembered", remembered),
+            ("next turn (+664 new tokens)", next_turn),
+            ("record a 600-token completion", completion)]  # fmt: skip
 
 
 def view_loop_costs(rng: random.Random, rounds: int = 3) -> list[tuple[str, float]]:
@@ -203,8 +285,10 @@ def view_loop_costs(rng: random.Random, rounds: int = 3) -> list[tuple[str, floa
     600-token output) and the horizon's walk (``doomed`` + ``held_prefix``). Interleaved, C then
     Python, ``rounds`` times; the best of each."""
     setups = {}
-    for native in (True, False):
-        view = ReplicaView(use_native=native)
+    for native in ("C", "C, one call per event (round 8)", "Python"):
+        view = ReplicaView(use_native=native != "Python")
+        if native != "C":
+            view._loops = view._loops._replace(apply=_per_event_apply(view._loops))
         cached = [rng.getrandbits(63) for _ in range(1525)]
         view.apply(0, [0.0, [{"type": "BlockStored", "block_hashes": cached}]])
         for t in range(8):
@@ -221,7 +305,7 @@ def view_loop_costs(rng: random.Random, rounds: int = 3) -> list[tuple[str, floa
         forth_events, back_events = decode_typed(payload), decode_typed(back)
         assert forth_events is not None and back_events is not None
         setups[native] = (view, prompt, forth_events[1], back_events[1])
-    best: dict[tuple[str, bool], float] = {}
+    best: dict[tuple[str, str], float] = {}
     for _ in range(rounds):
         for native, (view, prompt, forth, back) in setups.items():
             seq = itertools.count(1)
@@ -246,10 +330,32 @@ def view_loop_costs(rng: random.Random, rounds: int = 3) -> list[tuple[str, floa
             for name, fn, per in (("250-block prompt: expect + hold + release", pin_free, 1),
                                   ("evicting batch, 88 stored + 88 removed (per batch)", batch, 2),
                                   ("doomed + held_prefix, 250-block prompt", walk, 1)):  # fmt: skip
+                if native.startswith("C,") and fn is not batch:
+                    continue  # the same C loops as "C": only the batch differs
                 us = per_call_us(fn) / per
                 best[(name, native)] = min(best.get((name, native), us), us)
-    return [(f"view loops, {'C' if native else 'Python'}: {name}", us)
-            for (name, native), us in best.items()]  # fmt: skip
+    return [(f"view loops, {native}: {name}", us) for (name, native), us in best.items()]
+
+
+def _per_event_apply(loops: Any) -> Callable[..., tuple[int, int]]:
+    """kv_view._apply's contract over ``loops``' one-event store / remove: what the view did
+    before its batch call (one store / remove call per event; with the C loops, round 8)."""
+    store, remove = loops.store, loops.remove
+
+    def apply(blocks: Any, pending: Any, freed: Any, pins: Any, tick: Any,
+              events: Any, start: int) -> tuple[int, int]:  # fmt: skip
+        confirmed = 0
+        for i in range(start, len(events)):
+            event = events[i]
+            if event.kind == STORED:
+                confirmed += store(blocks, pending, freed, pins, tick, event.keys)
+            elif event.kind == REMOVED:
+                confirmed += remove(blocks, pending, freed, event.keys)
+            else:
+                return confirmed, i
+        return confirmed, max(start, len(events))
+
+    return apply
 
 
 def view_bytes_per_block(n: int = 200_000) -> float:
@@ -287,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     ).parse_args(argv)
     rng = random.Random(0)
     rows = view_loop_costs(rng)
+    rows += exact_hash_costs(rng)
     rows += event_costs(rng)
     for n in (512, 4096):
         rows += request_costs(rng, n)

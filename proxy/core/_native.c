@@ -1,7 +1,8 @@
 /*
  * proxy.core._native: the per-request work of a token-id completion, outside the interpreter.
  *
- * Seven functions (and the views' six loops listed last), each with a pure-Python reference that stays the specification
+ * Seven functions, vLLM's exact digests and the views' seven loops (listed last), each with a
+ * pure-Python reference that stays the specification
  * (proxy/core/extract.py + proxy/hotpath.py's parse, proxy/core/hashing.py's _chain and
  * FastHasher.extend, proxy/core/prefix_index.py's record and reach, proxy/core/router.py's
  * Router.route with proxy/core/policy.py's policies) and that tests compare against on random
@@ -40,7 +41,11 @@
  *       Router.record_completion for a token-id prompt in one call (extend_chain, lookup,
  *       record).
  *
- *   view_store / view_remove / view_hold / view_release / view_expect / view_prefix
+ *   vllm_chain(algo, parent, tokens, start, stop, block_size, first_extra, extra)
+ *       vLLM's exact block digests (hashing.py's VllmHasher.digests: pickle or CBOR, sha256 or
+ *       xxh3-128), with their event keys; twin tests in tests/unit/test_vllm_chain_native.py.
+ *
+ *   view_store / view_remove / view_apply / view_hold / view_release / view_expect / view_prefix
  *       The KV-events views' per-key loops (proxy/core/kv_view.py's _store ... _prefix, twin
  *       tests in tests/unit/test_kv_view_native.py; see their section below).
  *
@@ -1356,10 +1361,10 @@ done:
  * events path's ~0.6 ms per request (bench/results/kv_events.md, round 8).
  *
  * The containers are the view's own: `blocks` a dict (key -> None), `pending` an OrderedDict
- * (key -> deadline), `freed` an OrderedDict (key -> stamp, least recently freed first), `pins` a
- * Counter (key -> requests pinning it), `tick` an itertools.count giving the stamps. The
- * OrderedDicts are only written through PyObject_SetItem / PyObject_DelItem, which keep their
- * order; reads go through the dict they are.
+ * (key -> deadline), `freed` a dict (key -> stamp, least recently freed first: insertion order),
+ * `pins` a Counter (key -> requests pinning it), `tick` an itertools.count giving the stamps.
+ * The OrderedDict is only written through PyObject_SetItem / PyObject_DelItem, which keep its
+ * order; reads go through the dict it is.
  * ------------------------------------------------------------------------------------------- */
 
 static int view_dicts(PyObject *const *args, Py_ssize_t count) {
@@ -1391,202 +1396,660 @@ static int view_stamp(PyObject *freed, PyObject *tick, PyObject *key) {
     return rc;
 }
 
-static int view_args(const char *name, Py_ssize_t nargs, Py_ssize_t want) {
+/* The preamble every view_* shares: `want` arguments, the first `dicts` of them dicts, and
+ * args[keys_at] as a fast sequence (a new reference the caller releases), or NULL. */
+static PyObject *view_keys(const char *name, PyObject *const *args, Py_ssize_t nargs,
+                           Py_ssize_t want, Py_ssize_t dicts, Py_ssize_t keys_at) {
     if (nargs != want) {
         PyErr_Format(PyExc_TypeError, "%s takes %zd arguments", name, want);
-        return -1;
+        return NULL;
     }
-    return 0;
+    if (view_dicts(args, dicts) < 0) return NULL;
+    return PySequence_Fast(args[keys_at], "keys must be a sequence");
 }
 
-/* view_store(blocks, pending, freed, pins, tick, keys) -> confirmed: one BlockStored. */
-static PyObject *view_store(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (view_args("view_store", nargs, 6) < 0 || view_dicts(args, 4) < 0) return NULL;
-    PyObject *blocks = args[0], *pending = args[1], *freed = args[2], *pins = args[3];
-    PyObject *keys = PySequence_Fast(args[5], "keys must be a sequence");
-    if (keys == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys), confirmed = 0;
-    PyObject **items = PySequence_Fast_ITEMS(keys);
+#define KEYS_ITEMS(keys) PySequence_Fast_ITEMS(keys), PySequence_Fast_GET_SIZE(keys)
+
+/* One BlockStored's keys -> how many were pending, or -1. */
+static Py_ssize_t store_keys(PyObject *blocks, PyObject *pending, PyObject *freed, PyObject *pins,
+                             PyObject *tick, PyObject **items, Py_ssize_t n) {
+    Py_ssize_t confirmed = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *key = items[i];
-        if (PyDict_SetItem(blocks, key, Py_None) < 0) goto fail;
+        if (PyDict_SetItem(blocks, key, Py_None) < 0) return -1;
         if (PyDict_GET_SIZE(pending)) {
             int popped = view_pop(pending, key);
-            if (popped < 0) goto fail;
+            if (popped < 0) return -1;
             confirmed += popped;
         }
         int pinned = PyDict_Contains(pins, key);
-        if (pinned < 0) goto fail;
+        if (pinned < 0) return -1;
         if (pinned) continue;
         int was = PyDict_Contains(freed, key);
-        if (was < 0) goto fail;
-        if (!was && view_stamp(freed, args[4], key) < 0) goto fail;
+        if (was < 0) return -1;
+        if (!was && view_stamp(freed, tick, key) < 0) return -1;
     }
+    return confirmed;
+}
+
+/* One BlockRemoved's keys -> how many were pending, or -1. */
+static Py_ssize_t remove_keys(PyObject *blocks, PyObject *pending, PyObject *freed,
+                              PyObject **items, Py_ssize_t n) {
+    Py_ssize_t confirmed = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = items[i];
+        if (view_pop(blocks, key) < 0 || view_pop(freed, key) < 0) return -1;
+        if (PyDict_GET_SIZE(pending)) {
+            int popped = view_pop(pending, key);
+            if (popped < 0) return -1;
+            confirmed += popped;
+        }
+    }
+    return confirmed;
+}
+
+/* A count as a Python int, or NULL where the loop failed (-1). */
+static PyObject *view_count(Py_ssize_t n) { return n < 0 ? NULL : PyLong_FromSsize_t(n); }
+
+/* view_store(blocks, pending, freed, pins, tick, keys) -> confirmed: one BlockStored. */
+static PyObject *view_store(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    PyObject *keys = view_keys("view_store", args, nargs, 6, 4, 5);
+    if (keys == NULL) return NULL;
+    Py_ssize_t confirmed =
+        store_keys(args[0], args[1], args[2], args[3], args[4], KEYS_ITEMS(keys));
     Py_DECREF(keys);
-    return PyLong_FromSsize_t(confirmed);
-fail:
-    Py_DECREF(keys);
-    return NULL;
+    return view_count(confirmed);
 }
 
 /* view_remove(blocks, pending, freed, keys) -> confirmed: one BlockRemoved. */
 static PyObject *view_remove(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (view_args("view_remove", nargs, 4) < 0 || view_dicts(args, 3) < 0) return NULL;
-    PyObject *blocks = args[0], *pending = args[1], *freed = args[2];
-    PyObject *keys = PySequence_Fast(args[3], "keys must be a sequence");
+    PyObject *keys = view_keys("view_remove", args, nargs, 4, 3, 3);
     if (keys == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys), confirmed = 0;
-    PyObject **items = PySequence_Fast_ITEMS(keys);
+    Py_ssize_t confirmed = remove_keys(args[0], args[1], args[2], KEYS_ITEMS(keys));
+    Py_DECREF(keys);
+    return view_count(confirmed);
+}
+
+static PyObject *s_kind, *s_keys, *s_block_stored, *s_block_removed;
+
+/* view_apply(blocks, pending, freed, pins, tick, events, start) -> (confirmed, stop):
+ * kv_view._apply, a batch's BlockStored / BlockRemoved events from `start` on in one call (the
+ * tight benchmark's batches carry ~140 one-key BlockRemoved each: one call per key before),
+ * stopping at the first event of another kind (AllBlocksCleared: the view resets its
+ * containers and calls again after it); stop = len(events) when none. */
+static PyObject *view_apply(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    PyObject *events = view_keys("view_apply", args, nargs, 7, 4, 5);
+    if (events == NULL) return NULL;
+    Py_ssize_t start = PyLong_AsSsize_t(args[6]), total = PySequence_Fast_GET_SIZE(events);
+    Py_ssize_t confirmed = 0, i = start;
+    if (start == -1 && PyErr_Occurred()) goto fail;
+    if (start < 0) {
+        PyErr_SetString(PyExc_ValueError, "view_apply: start must be >= 0");
+        goto fail;
+    }
+    for (; i < total; i++) {
+        PyObject *event = PySequence_Fast_ITEMS(events)[i];
+        PyObject *kind = PyObject_GetAttr(event, s_kind);
+        if (kind == NULL) goto fail;
+        /* event.kind == STORED / REMOVED, as the reference compares them */
+        int stored = PyObject_RichCompareBool(kind, s_block_stored, Py_EQ);
+        int removed = stored ? 0 : PyObject_RichCompareBool(kind, s_block_removed, Py_EQ);
+        Py_DECREF(kind);
+        if (stored < 0 || removed < 0) goto fail;
+        if (!stored && !removed) break;
+        PyObject *value = PyObject_GetAttr(event, s_keys);
+        if (value == NULL) goto fail;
+        PyObject *keys = PySequence_Fast(value, "keys must be a sequence");
+        Py_DECREF(value);
+        if (keys == NULL) goto fail;
+        Py_ssize_t got = stored ? store_keys(args[0], args[1], args[2], args[3], args[4],
+                                             KEYS_ITEMS(keys))
+                                : remove_keys(args[0], args[1], args[2], KEYS_ITEMS(keys));
+        Py_DECREF(keys);
+        if (got < 0) goto fail;
+        confirmed += got;
+    }
+    Py_DECREF(events);
+    return Py_BuildValue("(nn)", confirmed, i);
+fail:
+    Py_DECREF(events);
+    return NULL;
+}
+
+/* A routed request pins its prompt's keys -> how many must be allocated (not cached), or -1. */
+static Py_ssize_t hold_keys(PyObject *pins, PyObject *freed, PyObject *blocks, PyObject **items,
+                            Py_ssize_t n) {
+    Py_ssize_t fresh = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *key = items[i];
-        if (view_pop(blocks, key) < 0 || view_pop(freed, key) < 0) goto fail;
-        if (PyDict_GET_SIZE(pending)) {
-            int popped = view_pop(pending, key);
-            if (popped < 0) goto fail;
-            confirmed += popped;
-        }
+        PyObject *had = PyDict_GetItemWithError(pins, key); /* borrowed */
+        if (had == NULL && PyErr_Occurred()) return -1;
+        long pinned = 0;
+        if (had != NULL && (pinned = PyLong_AsLong(had)) == -1 && PyErr_Occurred()) return -1;
+        PyObject *count = PyLong_FromLong(pinned + 1);
+        if (count == NULL) return -1;
+        int rc = PyDict_SetItem(pins, key, count);
+        Py_DECREF(count);
+        if (rc < 0 || view_pop(freed, key) < 0) return -1;
+        int cached = PyDict_Contains(blocks, key);
+        if (cached < 0) return -1;
+        fresh += !cached;
     }
-    Py_DECREF(keys);
-    return PyLong_FromSsize_t(confirmed);
-fail:
-    Py_DECREF(keys);
-    return NULL;
+    return fresh;
 }
 
 /* view_hold(pins, freed, blocks, keys) -> new: a routed request pins its prompt's keys. */
 static PyObject *view_hold(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (view_args("view_hold", nargs, 4) < 0 || view_dicts(args, 3) < 0) return NULL;
-    PyObject *pins = args[0], *freed = args[1], *blocks = args[2];
-    PyObject *keys = PySequence_Fast(args[3], "keys must be a sequence");
+    PyObject *keys = view_keys("view_hold", args, nargs, 4, 3, 3);
     if (keys == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys), fresh = 0;
-    PyObject **items = PySequence_Fast_ITEMS(keys);
-    for (Py_ssize_t i = 0; i < n; i++) {
+    Py_ssize_t fresh = hold_keys(args[0], args[1], args[2], KEYS_ITEMS(keys));
+    Py_DECREF(keys);
+    return view_count(fresh);
+}
+
+/* A request's answer came back: its keys, last first -> 0, or -1. */
+static Py_ssize_t release_keys(PyObject *pins, PyObject *freed, PyObject *blocks, PyObject *tick,
+                               PyObject **items, Py_ssize_t n) {
+    for (Py_ssize_t i = n - 1; i >= 0; i--) {
         PyObject *key = items[i];
-        PyObject *had = PyDict_GetItemWithError(pins, key);  /* borrowed */
-        if (had == NULL && PyErr_Occurred()) goto fail;
-        long pinned = 0;
-        if (had != NULL && (pinned = PyLong_AsLong(had)) == -1 && PyErr_Occurred()) goto fail;
-        PyObject *count = PyLong_FromLong(pinned + 1);
-        if (count == NULL) goto fail;
-        int rc = PyDict_SetItem(pins, key, count);
-        Py_DECREF(count);
-        if (rc < 0 || view_pop(freed, key) < 0) goto fail;
+        PyObject *had = PyDict_GetItemWithError(pins, key); /* borrowed */
+        if (had == NULL && PyErr_Occurred()) return -1;
+        if (had != NULL) {
+            long pinned = PyLong_AsLong(had);
+            if (pinned == -1 && PyErr_Occurred()) return -1;
+            if (pinned > 1) {
+                PyObject *count = PyLong_FromLong(pinned - 1);
+                if (count == NULL) return -1;
+                int rc = PyDict_SetItem(pins, key, count);
+                Py_DECREF(count);
+                if (rc < 0) return -1;
+                continue;
+            }
+            if (PyDict_DelItem(pins, key) < 0) return -1;
+        }
         int cached = PyDict_Contains(blocks, key);
-        if (cached < 0) goto fail;
-        fresh += !cached;
+        if (cached < 0) return -1;
+        if (cached && (view_pop(freed, key) < 0 || view_stamp(freed, tick, key) < 0)) return -1;
     }
-    Py_DECREF(keys);
-    return PyLong_FromSsize_t(fresh);
-fail:
-    Py_DECREF(keys);
-    return NULL;
+    return 0;
 }
 
 /* view_release(pins, freed, blocks, tick, keys): a request's answer came back; last key first. */
 static PyObject *view_release(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (view_args("view_release", nargs, 5) < 0 || view_dicts(args, 3) < 0) return NULL;
-    PyObject *pins = args[0], *freed = args[1], *blocks = args[2];
-    PyObject *keys = PySequence_Fast(args[4], "keys must be a sequence");
+    PyObject *keys = view_keys("view_release", args, nargs, 5, 3, 4);
     if (keys == NULL) return NULL;
-    PyObject **items = PySequence_Fast_ITEMS(keys);
-    for (Py_ssize_t i = PySequence_Fast_GET_SIZE(keys) - 1; i >= 0; i--) {
-        PyObject *key = items[i];
-        PyObject *had = PyDict_GetItemWithError(pins, key);  /* borrowed */
-        if (had == NULL && PyErr_Occurred()) goto fail;
-        if (had != NULL) {
-            long pinned = PyLong_AsLong(had);
-            if (pinned == -1 && PyErr_Occurred()) goto fail;
-            if (pinned > 1) {
-                PyObject *count = PyLong_FromLong(pinned - 1);
-                if (count == NULL) goto fail;
-                int rc = PyDict_SetItem(pins, key, count);
-                Py_DECREF(count);
-                if (rc < 0) goto fail;
-                continue;
-            }
-            if (PyDict_DelItem(pins, key) < 0) goto fail;
-        }
-        int cached = PyDict_Contains(blocks, key);
-        if (cached < 0) goto fail;
-        if (cached && (view_pop(freed, key) < 0 || view_stamp(freed, args[3], key) < 0)) goto fail;
-    }
+    Py_ssize_t rc = release_keys(args[0], args[1], args[2], args[3], KEYS_ITEMS(keys));
     Py_DECREF(keys);
+    if (rc < 0) return NULL;
     Py_RETURN_NONE;
-fail:
-    Py_DECREF(keys);
-    return NULL;
+}
+
+/* Keys just sent: the ones not cached pending until `deadline`, newest last -> 0, or -1. */
+static Py_ssize_t expect_keys(PyObject *blocks, PyObject *pending, PyObject *deadline,
+                              PyObject **items, Py_ssize_t n) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *key = items[i];
+        int cached = PyDict_Contains(blocks, key);
+        if (cached < 0) return -1;
+        if (cached) continue;
+        /* pending[key] = deadline, moved to the end (the most recent) */
+        if (view_pop(pending, key) < 0 || PyObject_SetItem(pending, key, deadline) < 0) return -1;
+    }
+    return 0;
 }
 
 /* view_expect(blocks, pending, keys, deadline): keys just sent, pending until reported. */
 static PyObject *view_expect(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (view_args("view_expect", nargs, 4) < 0 || view_dicts(args, 2) < 0) return NULL;
-    PyObject *blocks = args[0], *pending = args[1], *deadline = args[3];
-    PyObject *keys = PySequence_Fast(args[2], "keys must be a sequence");
+    PyObject *keys = view_keys("view_expect", args, nargs, 4, 2, 2);
     if (keys == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
-    PyObject **items = PySequence_Fast_ITEMS(keys);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *key = items[i];
-        int cached = PyDict_Contains(blocks, key);
-        if (cached < 0) goto fail;
-        if (cached) continue;
-        /* pending[key] = deadline, moved to the end (the most recent) */
-        if (view_pop(pending, key) < 0 || PyObject_SetItem(pending, key, deadline) < 0) goto fail;
-    }
+    Py_ssize_t rc = expect_keys(args[0], args[1], args[3], KEYS_ITEMS(keys));
     Py_DECREF(keys);
+    if (rc < 0) return NULL;
     Py_RETURN_NONE;
-fail:
-    Py_DECREF(keys);
-    return NULL;
 }
 
-/* view_prefix(blocks, pending, freed, keys, doomed) -> n: ReplicaView.held_prefix's walk. */
-static PyObject *view_prefix(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (view_args("view_prefix", nargs, 5) < 0 || view_dicts(args, 3) < 0) return NULL;
-    PyObject *blocks = args[0], *pending = args[1], *freed = args[2];
-    long long doomed = PyLong_AsLongLong(args[4]);
-    if (doomed == -1 && PyErr_Occurred()) return NULL;
-    PyObject *keys = PySequence_Fast(args[3], "keys must be a sequence");
-    if (keys == NULL) return NULL;
-    Py_ssize_t total = PySequence_Fast_GET_SIZE(keys), n = 0;
-    PyObject **items = PySequence_Fast_ITEMS(keys);
+/* ReplicaView.held_prefix's walk over `items` -> n, or -1. */
+static Py_ssize_t prefix_keys(PyObject *blocks, PyObject *pending, PyObject *freed,
+                              long long doomed, PyObject **items, Py_ssize_t total) {
+    Py_ssize_t n = 0;
     for (; n < total; n++) {
         int cached = PyDict_Contains(blocks, items[n]);
-        if (cached < 0) goto fail;
+        if (cached < 0) return -1;
         if (!cached) break;
     }
     if (doomed >= 0) {
         for (Py_ssize_t i = 0; i < n; i++) {
-            PyObject *stamp = PyDict_GetItemWithError(freed, items[i]);  /* borrowed */
+            PyObject *stamp = PyDict_GetItemWithError(freed, items[i]); /* borrowed */
             if (stamp == NULL) {
-                if (PyErr_Occurred()) goto fail;
+                if (PyErr_Occurred()) return -1;
                 continue;
             }
             long long at = PyLong_AsLongLong(stamp);
-            if (at == -1 && PyErr_Occurred()) goto fail;
-            if (at <= doomed) {
-                n = i;
-                goto done;
-            }
+            if (at == -1 && PyErr_Occurred()) return -1;
+            if (at <= doomed) return i;
         }
     }
     if (PyDict_GET_SIZE(pending)) {
         for (; n < total; n++) {
             int cached = PyDict_Contains(blocks, items[n]);
-            if (cached < 0) goto fail;
+            if (cached < 0) return -1;
             if (cached) continue;
             int sent = PyDict_Contains(pending, items[n]);
-            if (sent < 0) goto fail;
+            if (sent < 0) return -1;
             if (!sent) break;
         }
     }
-done:
+    return n;
+}
+
+/* view_prefix(blocks, pending, freed, keys, doomed) -> n: ReplicaView.held_prefix's walk. */
+static PyObject *view_prefix(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    PyObject *keys = view_keys("view_prefix", args, nargs, 5, 3, 3);
+    if (keys == NULL) return NULL;
+    long long doomed = PyLong_AsLongLong(args[4]);
+    Py_ssize_t n = doomed == -1 && PyErr_Occurred()
+                       ? -1
+                       : prefix_keys(args[0], args[1], args[2], doomed, KEYS_ITEMS(keys));
     Py_DECREF(keys);
-    return PyLong_FromSsize_t(n);
-fail:
-    Py_DECREF(keys);
-    return NULL;
+    return view_count(n);
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * vLLM's exact block digests (proxy/core/hashing.py's VllmHasher.digests is the reference,
+ * tests/unit/test_vllm_chain_native.py the twin tests). vLLM hashes each block as
+ * H(encode((parent_digest, tuple(block_tokens), extra))): H sha256 or xxh3-128, encode pickle
+ * (protocol 5) or canonical CBOR. In Python that is a tuple slice, a pickle.dumps and a hashlib
+ * call per block, ~4 us; the proxy-events router spent ~14% of its samples there (round 8's
+ * py-spy, bench/results/kv_events.md). Here the encoding is written byte for byte as pickle /
+ * cbor2 write it for this one shape -- a bytes, a tuple of non-negative ints, and `extra`, whose
+ * encoding the caller passes pre-made (hashing.py's _encoded_extras: the bytes pickle / cbor2
+ * write for it at that position, checked against the reference once per namespace) -- and
+ * hashed with the SHA-256 below or the vendored XXH3-128.
+ * ------------------------------------------------------------------------------------------- */
+
+/* SHA-256 (FIPS 180-4), portable C: what hashlib.sha256 computes. */
+typedef struct {
+    uint32_t h[8];
+    uint64_t length;
+    unsigned char buf[64];
+    size_t used;
+} Sha256;
+
+static const uint32_t sha256_k[64] = {
+    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4,
+    0xab1c5ed5, 0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe,
+    0x9bdc06a7, 0xc19bf174, 0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f,
+    0x4a7484aa, 0x5cb0a9dc, 0x76f988da, 0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7,
+    0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967, 0x27b70a85, 0x2e1b2138, 0x4d2c6dfc,
+    0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85, 0xa2bfe8a1, 0xa81a664b,
+    0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070, 0x19a4c116,
+    0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
+    0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7,
+    0xc67178f2,
+};
+
+#define SHA_ROR(x, n) (((x) >> (n)) | ((x) << (32 - (n))))
+
+static void sha256_block(uint32_t *h, const unsigned char *p) {
+    uint32_t w[64];
+    for (int i = 0; i < 16; i++)
+        w[i] = (uint32_t)p[4 * i] << 24 | (uint32_t)p[4 * i + 1] << 16 |
+               (uint32_t)p[4 * i + 2] << 8 | (uint32_t)p[4 * i + 3];
+    for (int i = 16; i < 64; i++) {
+        uint32_t s0 = SHA_ROR(w[i - 15], 7) ^ SHA_ROR(w[i - 15], 18) ^ (w[i - 15] >> 3);
+        uint32_t s1 = SHA_ROR(w[i - 2], 17) ^ SHA_ROR(w[i - 2], 19) ^ (w[i - 2] >> 10);
+        w[i] = w[i - 16] + s0 + w[i - 7] + s1;
+    }
+    uint32_t a = h[0], b = h[1], c = h[2], d = h[3], e = h[4], f = h[5], g = h[6], k = h[7];
+    for (int i = 0; i < 64; i++) {
+        uint32_t t1 = k + (SHA_ROR(e, 6) ^ SHA_ROR(e, 11) ^ SHA_ROR(e, 25)) +
+                      ((e & f) ^ (~e & g)) + sha256_k[i] + w[i];
+        uint32_t t2 = (SHA_ROR(a, 2) ^ SHA_ROR(a, 13) ^ SHA_ROR(a, 22)) +
+                      ((a & b) ^ (a & c) ^ (b & c));
+        k = g;
+        g = f;
+        f = e;
+        e = d + t1;
+        d = c;
+        c = b;
+        b = a;
+        a = t1 + t2;
+    }
+    h[0] += a, h[1] += b, h[2] += c, h[3] += d, h[4] += e, h[5] += f, h[6] += g, h[7] += k;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
+#include <immintrin.h>
+#define SHA_NI_BUILT 1
+
+/* The x86 SHA extensions (Intel SHA-NI, AMD since Zen): the same compression in ~1/5 of the
+ * portable code's time, which makes hashing every block cheaper than remembering it (see
+ * hashing.py's VllmHasher). Four rounds per step: sha256rnds2 twice, the message schedule with
+ * sha256msg1 / sha256msg2 (Intel's "Intel SHA Extensions" paper, 2013). Chosen at import when
+ * the CPU has them (sha256_accelerated). */
+__attribute__((target("sha,sse4.1"))) static void sha256_blocks_ni(uint32_t *h,
+                                                                   const unsigned char *p,
+                                                                   size_t blocks) {
+    const __m128i swap = _mm_set_epi64x(0x0c0d0e0f08090a0bULL, 0x0405060700010203ULL);
+    __m128i tmp = _mm_shuffle_epi32(_mm_loadu_si128((const __m128i *)&h[0]), 0xB1); /* CDAB */
+    __m128i state1 = _mm_shuffle_epi32(_mm_loadu_si128((const __m128i *)&h[4]), 0x1B); /* EFGH */
+    __m128i state0 = _mm_alignr_epi8(tmp, state1, 8);                               /* ABEF */
+    state1 = _mm_blend_epi16(state1, tmp, 0xF0);                                    /* CDGH */
+    for (size_t b = 0; b < blocks; b++, p += 64) {
+        __m128i abef = state0, cdgh = state1, w[4], msg;
+        for (int g = 0; g < 16; g++) {
+            if (g < 4)
+                w[g] = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(p + 16 * g)), swap);
+            msg = _mm_add_epi32(w[g & 3], _mm_loadu_si128((const __m128i *)&sha256_k[4 * g]));
+            state1 = _mm_sha256rnds2_epu32(state1, state0, msg);
+            if (g >= 3 && g <= 14) {
+                /* words 4(g+1).. from this group's and the previous one's */
+                __m128i prev = _mm_alignr_epi8(w[g & 3], w[(g - 1) & 3], 4);
+                __m128i next = _mm_add_epi32(w[(g + 1) & 3], prev);
+                w[(g + 1) & 3] = _mm_sha256msg2_epu32(next, w[g & 3]);
+            }
+            state0 = _mm_sha256rnds2_epu32(state0, state1, _mm_shuffle_epi32(msg, 0x0E));
+            if (g >= 1 && g <= 12) w[(g - 1) & 3] = _mm_sha256msg1_epu32(w[(g - 1) & 3], w[g & 3]);
+        }
+        state0 = _mm_add_epi32(state0, abef);
+        state1 = _mm_add_epi32(state1, cdgh);
+    }
+    tmp = _mm_shuffle_epi32(state0, 0x1B);       /* FEBA */
+    state1 = _mm_shuffle_epi32(state1, 0xB1);    /* DCHG */
+    state0 = _mm_blend_epi16(tmp, state1, 0xF0); /* DCBA */
+    state1 = _mm_alignr_epi8(state1, tmp, 8);    /* HGFE */
+    _mm_storeu_si128((__m128i *)&h[0], state0);
+    _mm_storeu_si128((__m128i *)&h[4], state1);
+}
+
+static int cpu_has_sha_ni(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 19)) || !(c & (1u << 9))) return 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0; /* SSE4.1, SSSE3 above; SHA: */
+    return (b >> 29) & 1;
+}
+#else
+#define SHA_NI_BUILT 0
+static void sha256_blocks_ni(uint32_t *h, const unsigned char *p, size_t blocks) {
+    (void)h, (void)p, (void)blocks;
+}
+static int cpu_has_sha_ni(void) { return 0; }
+#endif
+
+/* Whether sha256() uses the SHA extensions (set at import; sha256_hook's tests flip it). */
+static int sha_ni = 0;
+
+static void sha256_run(uint32_t *h, const unsigned char *p, size_t blocks) {
+    if (sha_ni) {
+        sha256_blocks_ni(h, p, blocks);
+        return;
+    }
+    for (size_t i = 0; i < blocks; i++) sha256_block(h, p + 64 * i);
+}
+
+static void sha256(const unsigned char *data, size_t n, unsigned char out[32]) {
+    uint32_t h[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
+                     0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
+    size_t full = n / 64 * 64;
+    sha256_run(h, data, full / 64);
+    unsigned char tail[128] = {0};
+    size_t rest = n - full, pad = rest < 56 ? 64 : 128;
+    memcpy(tail, data + full, rest);
+    tail[rest] = 0x80;
+    uint64_t bits = (uint64_t)n * 8;
+    for (int i = 0; i < 8; i++) tail[pad - 1 - i] = (unsigned char)(bits >> (8 * i));
+    sha256_run(h, tail, pad / 64);
+    for (int i = 0; i < 8; i++) {
+        out[4 * i] = (unsigned char)(h[i] >> 24);
+        out[4 * i + 1] = (unsigned char)(h[i] >> 16);
+        out[4 * i + 2] = (unsigned char)(h[i] >> 8);
+        out[4 * i + 3] = (unsigned char)h[i];
+    }
+}
+
+/* sha256_hook(data, accelerated) -> digest: hashlib.sha256(data).digest() through the SHA
+ * extensions (when the CPU has them) or the portable code, for the twin tests of both. */
+static PyObject *sha256_hook(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2 || !PyBytes_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "sha256_hook(data: bytes, accelerated: bool)");
+        return NULL;
+    }
+    int want = PyObject_IsTrue(args[1]);
+    if (want < 0) return NULL;
+    int saved = sha_ni;
+    sha_ni = want && cpu_has_sha_ni();
+    unsigned char out[32];
+    sha256((const unsigned char *)PyBytes_AS_STRING(args[0]), (size_t)PyBytes_GET_SIZE(args[0]),
+           out);
+    sha_ni = saved;
+    return PyBytes_FromStringAndSize((const char *)out, 32);
+}
+
+/* hashing.py's VLLM_HASH_ALGOS order. */
+enum { ALGO_SHA256_PICKLE, ALGO_SHA256_CBOR, ALGO_XXH_PICKLE, ALGO_XXH_CBOR, ALGO_COUNT };
+
+/* One int as pickle (protocol >= 2) writes a non-negative int: BININT1 / BININT2 / BININT, or
+ * LONG1 with its little-endian two's complement bytes ((bits >> 3) + 1 of them). */
+static size_t pickle_uint(unsigned char *p, uint64_t v) {
+    if (v <= 0xff) {
+        p[0] = 'K', p[1] = (unsigned char)v;
+        return 2;
+    }
+    if (v <= 0xffff) {
+        p[0] = 'M', p[1] = (unsigned char)v, p[2] = (unsigned char)(v >> 8);
+        return 3;
+    }
+    if (v <= 0x7fffffff) {
+        p[0] = 'J';
+        for (int i = 0; i < 4; i++) p[1 + i] = (unsigned char)(v >> (8 * i));
+        return 5;
+    }
+    int bits = 64;
+    while (!(v >> (bits - 1))) bits--;
+    int nbytes = (bits >> 3) + 1;
+    p[0] = 0x8a, p[1] = (unsigned char)nbytes;
+    for (int i = 0; i < nbytes; i++) p[2 + i] = i < 8 ? (unsigned char)(v >> (8 * i)) : 0;
+    return 2 + (size_t)nbytes;
+}
+
+/* A CBOR head (major type, argument) in its shortest form, as cbor2 writes it. */
+static size_t cbor_head(unsigned char *p, unsigned major, uint64_t v) {
+    unsigned char m = (unsigned char)(major << 5);
+    if (v < 24) {
+        p[0] = m | (unsigned char)v;
+        return 1;
+    }
+    int n = v <= 0xff ? 1 : v <= 0xffff ? 2 : v <= 0xffffffffULL ? 4 : 8;
+    p[0] = m | (unsigned char)(n == 1 ? 24 : n == 2 ? 25 : n == 4 ? 26 : 27);
+    for (int i = 0; i < n; i++) p[1 + i] = (unsigned char)(v >> (8 * (n - 1 - i)));
+    return 1 + (size_t)n;
+}
+
+/* Encode (parent, tuple(ids), extra) into out; returns its length. out has room for
+ * 32 + parent + 11 * count + extra bytes (the longest int is LONG1's 11 bytes). */
+static size_t vllm_encode(int algo, unsigned char *out, const unsigned char *parent,
+                          Py_ssize_t parent_len, const uint64_t *ids, Py_ssize_t count,
+                          const unsigned char *extra, Py_ssize_t extra_len) {
+    unsigned char *p = out;
+    if (algo == ALGO_SHA256_CBOR || algo == ALGO_XXH_CBOR) {
+        *p++ = 0x83; /* an array of 3 */
+        p += cbor_head(p, 2, (uint64_t)parent_len);
+        memcpy(p, parent, (size_t)parent_len);
+        p += parent_len;
+        p += cbor_head(p, 4, (uint64_t)count);
+        for (Py_ssize_t i = 0; i < count; i++) p += cbor_head(p, 0, ids[i]);
+        memcpy(p, extra, (size_t)extra_len);
+        return (size_t)(p - out) + (size_t)extra_len;
+    }
+    /* PROTO 5, FRAME <length>, SHORT_BINBYTES parent MEMOIZE, the ids' tuple MEMOIZE, extra,
+     * TUPLE3 MEMOIZE STOP. */
+    p[0] = 0x80, p[1] = 5, p[2] = 0x95;
+    p += 11;
+    p[0] = 'C', p[1] = (unsigned char)parent_len;
+    memcpy(p + 2, parent, (size_t)parent_len);
+    p += 2 + parent_len;
+    *p++ = 0x94;
+    if (count > 3) *p++ = '(';
+    for (Py_ssize_t i = 0; i < count; i++) p += pickle_uint(p, ids[i]);
+    *p++ = count == 1 ? 0x85 : count == 2 ? 0x86 : count == 3 ? 0x87 : 't';
+    *p++ = 0x94;
+    memcpy(p, extra, (size_t)extra_len);
+    p += extra_len;
+    p[0] = 0x87, p[1] = 0x94, p[2] = '.';
+    p += 3;
+    uint64_t frame = (uint64_t)(p - out) - 11;
+    for (int i = 0; i < 8; i++) out[3 + i] = (unsigned char)(frame >> (8 * i));
+    return (size_t)(p - out);
+}
+
+/* The ids of `tokens` as uint64: an array's buffer of 4- or 8-byte unsigned ids, or a list /
+ * tuple of exact ints >= 0 that fit 64 bits. 0 done, 1 not such a sequence (the caller runs the
+ * reference), -1 error. *ids is PyMem_Malloc'ed on 0. */
+static int vllm_ids(PyObject *tokens, uint64_t **ids, Py_ssize_t *count) {
+    if (PyObject_TypeCheck(tokens, (PyTypeObject *)array_type)) {
+        Py_buffer view;
+        if (PyObject_GetBuffer(tokens, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) return -1;
+        const char *f = view.format ? view.format : "B";
+        int width = (strcmp(f, "I") == 0 && view.itemsize == 4) ? 4
+                    : ((strcmp(f, "L") == 0 || strcmp(f, "Q") == 0) && view.itemsize == 8) ? 8
+                                                                                          : 0;
+        if (width == 0) {
+            PyBuffer_Release(&view);
+            return 1;
+        }
+        Py_ssize_t n = view.len / width;
+        *ids = PyMem_Malloc(sizeof(uint64_t) * (size_t)(n ? n : 1));
+        if (*ids == NULL) {
+            PyBuffer_Release(&view);
+            PyErr_NoMemory();
+            return -1;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (width == 4) {
+                uint32_t v;
+                memcpy(&v, (const char *)view.buf + 4 * i, 4);
+                (*ids)[i] = v;
+            } else {
+                memcpy(&(*ids)[i], (const char *)view.buf + 8 * i, 8);
+            }
+        }
+        PyBuffer_Release(&view);
+        *count = n;
+        return 0;
+    }
+    if (!PyList_CheckExact(tokens) && !PyTuple_CheckExact(tokens)) return 1;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(tokens);
+    PyObject **items = PySequence_Fast_ITEMS(tokens);
+    *ids = PyMem_Malloc(sizeof(uint64_t) * (size_t)(n ? n : 1));
+    if (*ids == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        unsigned long long v;
+        /* Exact ints only: a bool or an int subclass pickles differently. */
+        if (!PyLong_CheckExact(items[i]) ||
+            ((v = PyLong_AsUnsignedLongLong(items[i])) == (unsigned long long)-1 &&
+             PyErr_Occurred())) {
+            PyErr_Clear();
+            PyMem_Free(*ids);
+            *ids = NULL;
+            return 1;
+        }
+        (*ids)[i] = v;
+    }
+    *count = n;
+    return 0;
+}
+
+/* vllm_chain(algo, parent, tokens, start, stop, block_size, first_extra, extra)
+ *   -> [(event key, digest)] for blocks start..stop-1, or None (tokens the reference must take).
+ * Block i's parent is block i-1's digest (`parent` for block start); block 0 is encoded with
+ * `first_extra`, every other one with `extra` (pre-encoded, see above). */
+static PyObject *vllm_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "vllm_chain takes 8 arguments");
+        return NULL;
+    }
+    long algo = PyLong_AsLong(args[0]);
+    if (algo == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t start = PyLong_AsSsize_t(args[3]), stop = PyLong_AsSsize_t(args[4]);
+    Py_ssize_t bs = PyLong_AsSsize_t(args[5]);
+    if ((start == -1 || stop == -1 || bs == -1) && PyErr_Occurred()) return NULL;
+    if (algo < 0 || algo >= ALGO_COUNT) {
+        PyErr_SetString(PyExc_ValueError, "unknown vLLM hash algorithm");
+        return NULL;
+    }
+    if (!PyBytes_Check(args[1]) || !PyBytes_Check(args[6]) || !PyBytes_Check(args[7])) {
+        PyErr_SetString(PyExc_TypeError, "parent and the extras must be bytes");
+        return NULL;
+    }
+    Py_ssize_t parent_len = PyBytes_GET_SIZE(args[1]);
+    int xxh = algo == ALGO_XXH_PICKLE || algo == ALGO_XXH_CBOR;
+    Py_ssize_t digest_len = xxh ? 16 : 32;
+    /* A digest this function makes, or the chain's root (a digest too): SHORT_BINBYTES and a
+     * one-byte CBOR length hold it; anything longer is not a vLLM digest. */
+    if (parent_len > 255 || bs < 1 || start < 0 || stop < start) {
+        PyErr_SetString(PyExc_ValueError, "vllm_chain: bad parent, block size or range");
+        return NULL;
+    }
+    uint64_t *ids = NULL;
+    Py_ssize_t count = 0;
+    int got = vllm_ids(args[2], &ids, &count);
+    if (got < 0) return NULL;
+    if (got > 0) Py_RETURN_NONE;
+    if (stop > count / bs) {
+        PyMem_Free(ids);
+        PyErr_SetString(PyExc_ValueError, "vllm_chain: stop is past the last full block");
+        return NULL;
+    }
+    Py_ssize_t extra_len = PyBytes_GET_SIZE(args[6]) > PyBytes_GET_SIZE(args[7])
+                               ? PyBytes_GET_SIZE(args[6])
+                               : PyBytes_GET_SIZE(args[7]);
+    size_t room = 32 + 255 + 11 * (size_t)bs + (size_t)extra_len;
+    unsigned char *buf = PyMem_Malloc(room);
+    PyObject *out = PyList_New(stop - start);
+    if (buf == NULL || out == NULL) {
+        PyMem_Free(ids);
+        PyMem_Free(buf);
+        Py_XDECREF(out);
+        return buf == NULL ? PyErr_NoMemory() : NULL;
+    }
+    unsigned char digest[32];
+    const unsigned char *parent = (const unsigned char *)PyBytes_AS_STRING(args[1]);
+    for (Py_ssize_t i = start; i < stop; i++) {
+        PyObject *extra = i == 0 ? args[6] : args[7];
+        size_t n = vllm_encode((int)algo, buf, parent, parent_len, ids + i * bs, bs,
+                               (const unsigned char *)PyBytes_AS_STRING(extra),
+                               PyBytes_GET_SIZE(extra));
+        if (xxh) {
+            XXH128_canonical_t c;
+            XXH128_canonicalFromHash(&c, XXH3_128bits(buf, n));
+            memcpy(digest, c.digest, 16);
+        } else {
+            sha256(buf, n, digest);
+        }
+        uint64_t key = 0;
+        for (Py_ssize_t j = digest_len - 8; j < digest_len; j++) key = key << 8 | digest[j];
+        PyObject *d = PyBytes_FromStringAndSize((const char *)digest, digest_len);
+        PyObject *k = d == NULL ? NULL : PyLong_FromUnsignedLongLong(key);
+        PyObject *entry = k == NULL ? NULL : PyTuple_Pack(2, k, d);
+        Py_XDECREF(k);
+        Py_XDECREF(d);
+        if (entry == NULL) {
+            PyMem_Free(ids);
+            PyMem_Free(buf);
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i - start, entry);
+        parent = (const unsigned char *)PyBytes_AS_STRING(d);
+        parent_len = digest_len;
+    }
+    PyMem_Free(ids);
+    PyMem_Free(buf);
+    return out;
 }
 
 static PyMethodDef methods[] = {
@@ -1616,8 +2079,16 @@ static PyMethodDef methods[] = {
      "view_release(pins, freed, blocks, tick, keys): kv_view._release"},
     {"view_expect", (PyCFunction)(void (*)(void))view_expect, METH_FASTCALL,
      "view_expect(blocks, pending, keys, deadline): kv_view._expect"},
+    {"view_apply", (PyCFunction)(void (*)(void))view_apply, METH_FASTCALL,
+     "view_apply(blocks, pending, freed, pins, tick, events, start) -> (confirmed, stop): "
+     "kv_view._apply"},
     {"view_prefix", (PyCFunction)(void (*)(void))view_prefix, METH_FASTCALL,
      "view_prefix(blocks, pending, freed, keys, doomed) -> n: kv_view._prefix"},
+    {"sha256_hook", (PyCFunction)(void (*)(void))sha256_hook, METH_FASTCALL,
+     "sha256_hook(data, accelerated) -> sha256 digest (the twin tests' hook)"},
+    {"vllm_chain", (PyCFunction)(void (*)(void))vllm_chain, METH_FASTCALL,
+     "vllm_chain(algo, parent, tokens, start, stop, block_size, first_extra, extra) -> "
+     "[(event key, digest)] or None: VllmHasher.digests"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1644,7 +2115,8 @@ PyMODINIT_FUNC PyInit__native(void) {
         {&s_step_base, "decode_step_base_s"}, {&s_imbalance, "imbalance"},
         {&s_replica, "replica"}, {&s_outcome, "outcome"}, {&s_matched_blocks, "matched_blocks"},
         {&s_blocks, "blocks"}, {&s_affinity, "affinity"}, {&s_spilled, "spilled"},
-        {&s_unmatched, "unmatched"},
+        {&s_unmatched, "unmatched"}, {&s_kind, "kind"}, {&s_keys, "keys"},
+        {&s_block_stored, "BlockStored"}, {&s_block_removed, "BlockRemoved"},
     };
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
         *names[i].slot = PyUnicode_InternFromString(names[i].text);
@@ -1654,6 +2126,12 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (empty_tuple == NULL) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
+    sha_ni = cpu_has_sha_ni();
+    /* Whether vllm_chain's SHA-256 runs on the CPU's SHA extensions (hashing.py reads it). */
+    if (PyModule_AddIntConstant(m, "SHA256_ACCELERATED", sha_ni) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
     if (PyModule_AddIntConstant(m, "CONCURRENCY_MEMORY_DECISIONS",
                                 CONCURRENCY_MEMORY_DECISIONS) < 0 ||
         PyModule_AddStringConstant(m, "XXHASH_VERSION", "0.8.2") < 0) {

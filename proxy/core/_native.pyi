@@ -4,6 +4,7 @@ from collections.abc import Sequence
 from typing_extensions import Buffer
 
 XXHASH_VERSION: str
+SHA256_ACCELERATED: int
 # (HAS_CHILD, BRANCHING, REQUEST_END, FP_SHIFT, FP_MASK, HOLDERS_SHIFT): prefix_index.INDEX_LAYOUT
 INDEX_LAYOUT: tuple[int, int, int, int, int, int]
 
@@ -18,3 +19,15 @@ def prefix_walk(
 def extend_chain(
     prompt: Buffer, start: int, completion: Sequence[int], block_size: int, parent: int, /
 ) -> list[int] | None: ...
+def vllm_chain(
+    algo: int,
+    parent: bytes,
+    tokens: Sequence[int],
+    start: int,
+    stop: int,
+    block_size: int,
+    first_extra: bytes,
+    extra: bytes,
+    /,
+) -> list[tuple[int, bytes]] | None: ...
+def sha256_hook(data: bytes, accelerated: bool, /) -> bytes: ...

@@ -203,6 +203,22 @@ _VLLM_FUNCTIONS: dict[str, Callable[[Any], bytes]] = {
 }
 
 
+def _encode_extra(algo: str, extra: tuple[Any, ...] | None, digest_len: int) -> bytes:
+    """What ``algo``'s encoder writes for ``extra`` as the last item of vLLM's
+    ``(parent, tuple(tokens), extra)``: cbor2's bytes for it (CBOR has no back-references), or
+    pickle's between the token tuple and the closing TUPLE3 -- cut from the pickle of a
+    template with the same parent length, one token and this very ``extra`` object, so its
+    memo numbering (parent 0, tokens 1, then the extra's own objects) is the one a block's
+    pickle gives it."""
+    if algo.endswith("_cbor"):
+        return cbor2.dumps(extra, canonical=True)
+    whole = pickle.dumps((bytes(digest_len), (0,), extra), protocol=5)
+    # PROTO + FRAME (11 bytes), SHORT_BINBYTES + its length + parent + MEMOIZE, then
+    # BININT1 0 + TUPLE1 + MEMOIZE; at the end TUPLE3 + MEMOIZE + STOP.
+    head = 11 + 2 + digest_len + 1 + 4
+    return whole[head:-3]
+
+
 def event_hash(digest: bytes) -> int:
     """The int vLLM's KV-cache events report for a block: low 64 bits, big-endian."""
     return int.from_bytes(digest, "big") & _MASK64
@@ -251,6 +267,19 @@ class VllmHasher:
         # ``use_native`` allows (PROXY_NATIVE), so both implementations give the same keys.
         self._text = FastHasher(block_size, use_native)
         self.memo = ExactMemo(memo_blocks)
+        # vLLM's digests of the blocks the memo does not hold, in one C call per prompt
+        # (_native.c's vllm_chain: the same bytes encoded and hashed; ``digests`` stays the
+        # reference, tests/unit/test_vllm_chain_native.py compares them); None: in Python.
+        module = module_for(use_native)
+        self._vllm_chain: Callable[..., list[tuple[int, bytes]] | None] | None = (
+            module.vllm_chain if module is not None else None
+        )
+        self._algo_id = VLLM_HASH_ALGOS.index(algo)
+        # Per (namespace, at the chain's root): the encoded extra keys vllm_chain appends, or
+        # None where only the reference can encode them (see _encoded_extras). Bounded like
+        # FastHasher's seeds (a fresh cache salt per request is possible): emptied when full.
+        self._encoded: dict[tuple[str, str | None, str | None, bool], tuple[bytes, bytes] | None]
+        self._encoded = {}
         # The full digest (and prefix-chain key) behind the last key of recently hashed
         # prompts, so that ``extend`` can continue a chain (an index key keeps only 64 of the
         # digest's bits). Insertion ordered, the oldest dropped first.
@@ -317,7 +346,24 @@ class VllmHasher:
                 digest = entries[first_miss - 1][1]  # type: ignore[index]
             else:
                 digest = parent[0] if parent else self._root
-            for i in range(first_miss, len(entries)):
+            computed = None
+            if self._vllm_chain is not None:
+                encoded = self._encoded_extras(namespace, parent is None, first_extra, lora)
+                if encoded is not None:
+                    computed = self._vllm_chain(
+                        self._algo_id, digest, tokens, first_miss, len(entries), bs, *encoded
+                    )
+            if computed is not None:
+                # Every block from the first miss on, in one call: a remembered one among them
+                # keeps its entry (the same digest: the memo holds what vLLM's function gave
+                # for that very prefix) and is refreshed, as below.
+                for i, fresh in enumerate(computed, first_miss):
+                    if entries[i] is None:
+                        entries[i] = remembered[memo_keys[i]] = fresh
+                        misses += 1
+                    else:
+                        touch(memo_keys[i])
+            for i in range(first_miss if computed is None else len(entries), len(entries)):
                 entry = entries[i]
                 if entry is None:
                     extra = first_extra if i == 0 else lora
@@ -334,6 +380,41 @@ class VllmHasher:
         last = entries[-1]
         assert last is not None
         return [e[0] for e in entries], last[1], chain[-1]  # type: ignore[index]
+
+    def _encoded_extras(
+        self,
+        namespace: Namespace,
+        at_root: bool,
+        first_extra: tuple[Any, ...] | None,
+        lora: tuple[Any, ...] | None,
+    ) -> tuple[bytes, bytes] | None:
+        """The bytes vllm_chain writes for the first block's and every later block's extra
+        keys, or None when the C encoding does not reproduce the reference for this namespace
+        (then the blocks are hashed in Python, as before)."""
+        slot = (namespace.model, namespace.lora_path, namespace.cache_salt, at_root)
+        try:
+            return self._encoded[slot]
+        except KeyError:
+            pass
+        if len(self._encoded) >= MAX_CACHED_SEEDS:
+            self._encoded.clear()
+        encoded: tuple[bytes, bytes] | None = (
+            _encode_extra(self.algo, first_extra, len(self._root)),
+            _encode_extra(self.algo, lora, len(self._root)),
+        )
+        # Checked once per namespace against the reference on two blocks (the first with the
+        # first block's extras, the second with the rest's), ids of every pickle / CBOR width:
+        # an extra the template cannot place (a pickle frame split past 64 KiB, a memo
+        # reference out of place) takes the reference path instead of giving wrong keys.
+        assert self._vllm_chain is not None and encoded is not None
+        probe = [0, 255, 256, 65_535, 65_536, 2**31 - 1, 2**31, 2**32 - 1]
+        probe = (probe * (2 * self.block_size // len(probe) + 1))[: 2 * self.block_size]
+        got = self._vllm_chain(self._algo_id, self._root, probe, 0, 2, self.block_size, *encoded)
+        want = self.digests(probe, namespace, None if at_root else self._root)
+        if got is None or [d for _, d in got] != want:
+            encoded = None
+        self._encoded[slot] = encoded
+        return encoded
 
     def hash_tokens(self, tokens: Sequence[int], namespace: Namespace) -> list[int]:
         return self._keys(*self._memo_keys(tokens, namespace, None), namespace)
@@ -378,7 +459,7 @@ def make_hasher(
     use_native: bool | None = None,
 ) -> BlockHasher:
     """Hasher by name (settings say ``fast`` or ``exact``); ``use_native`` as FastHasher's
-    (the exact mode's vLLM digests are hashed in Python; only its XXH3 prefix chains use C)."""
+    (in exact mode: the XXH3 prefix chains and the vLLM digests the memo lacks)."""
     if mode == "fast":
         return FastHasher(block_size, use_native)
     if mode == "exact":

@@ -268,6 +268,35 @@ def _remove(
     return confirmed
 
 
+def _apply(
+    blocks: dict[int, None],
+    pending: OrderedDict[int, float],
+    freed: dict[int, int],
+    pins: Counter[int],
+    tick: Iterator[int],
+    events: Sequence[BlockEvent],
+    start: int,
+) -> tuple[int, int]:
+    """A batch's events from ``start`` on, up to the first that is neither BlockStored nor
+    BlockRemoved (AllBlocksCleared: the view resets its containers, then calls again after it).
+    Returns (how many keys were pending, where it stopped: ``len(events)`` when at the end).
+    One call per batch: the tight benchmark's batches carry ~140 one-key BlockRemoved events,
+    one C call each before (bench/results/kv_events_cpu_r9.md)."""
+    if start < 0:
+        raise ValueError("view_apply: start must be >= 0")
+    confirmed = 0
+    for i in range(start, len(events)):
+        event = events[i]
+        kind = event.kind
+        if kind == STORED:
+            confirmed += _store(blocks, pending, freed, pins, tick, event.keys)
+        elif kind == REMOVED:
+            confirmed += _remove(blocks, pending, freed, event.keys)
+        else:
+            return confirmed, i
+    return confirmed, max(start, len(events))
+
+
 def _hold(
     pins: Counter[int], freed: dict[int, int], blocks: dict[int, None], keys: Sequence[int]
 ) -> int:
@@ -339,13 +368,14 @@ def _prefix(
 class _Loops(NamedTuple):
     store: Callable[..., int]
     remove: Callable[..., int]
+    apply: Callable[..., tuple[int, int]]
     hold: Callable[..., int]
     release: Callable[..., None]
     expect: Callable[..., None]
     prefix: Callable[..., int]
 
 
-PYTHON_LOOPS = _Loops(_store, _remove, _hold, _release, _expect, _prefix)
+PYTHON_LOOPS = _Loops(_store, _remove, _apply, _hold, _release, _expect, _prefix)
 
 
 def loops_for(use_native: bool | None) -> _Loops:
@@ -354,7 +384,7 @@ def loops_for(use_native: bool | None) -> _Loops:
     module = module_for(use_native)
     if module is None:
         return PYTHON_LOOPS
-    return _Loops(module.view_store, module.view_remove, module.view_hold,
+    return _Loops(module.view_store, module.view_remove, module.view_apply, module.view_hold,
                   module.view_release, module.view_expect, module.view_prefix)  # fmt: skip
 
 
@@ -493,17 +523,21 @@ class ReplicaView:
         blocks, pending, freed, pins, tick = (
             self.blocks, self.pending, self.freed, self.pins, self._tick
         )  # fmt: skip
-        store, remove = self._loops.store, self._loops.remove
+        apply = self._loops.apply
         confirmed = 0
         self.events += len(events)
-        for event in events:
-            if event.kind == STORED:
-                confirmed += store(blocks, pending, freed, pins, tick, event.keys)
-            elif event.kind == REMOVED:
-                confirmed += remove(blocks, pending, freed, event.keys)
-            else:
-                self._resync()
-                blocks, pending, freed = self.blocks, self.pending, self.freed
+        total = len(events)
+        start = 0
+        while True:
+            got, stop = apply(blocks, pending, freed, pins, tick, events, start)
+            confirmed += got
+            if stop >= total:
+                break
+            # events[stop] is an AllBlocksCleared (or anything else that is not a store or a
+            # removal): the cache is empty from there on.
+            self._resync()
+            blocks, pending, freed = self.blocks, self.pending, self.freed
+            start = stop + 1
         if confirmed:
             self.predictions_confirmed += confirmed
             if self.hashes_match is None:

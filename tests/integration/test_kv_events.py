@@ -244,6 +244,41 @@ async def test_subscriber_task_survives_and_stops_cleanly() -> None:
         pub.close(linger=0)
 
 
+async def test_batches_queued_together_are_all_applied_in_order() -> None:
+    """A burst of batches sent while the subscriber is not running: every one is applied once
+    and in order (a lost or reordered batch would show as a gap), with bad frames among them
+    counted and skipped."""
+    ctx = zmq.asyncio.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    sub = ReplicaSubscriber(
+        0, Endpoints(f"tcp://127.0.0.1:{port}", None), ReplicaView(1000), ctx, "", 1.0
+    )
+    sub.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not sub.view.live:  # the connection is up once a batch 0 gets through
+            assert time.monotonic() < deadline
+            await pub.send_multipart(frames(0))
+            await asyncio.sleep(0.05)
+        start = sub.view.next_seq
+        assert start is not None
+        burst = 101
+        for i in range(burst):  # no await in between that lets the subscriber run
+            pub.send_multipart(frames(start + i, stored([100 + i])))
+            if i % 7 == 0:
+                pub.send_multipart([b"garbage"])
+        while sub.view.next_seq != start + burst:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        assert sub.view.live and sub.view.gaps == 0
+        assert sorted(sub.view.blocks) == [100 + i for i in range(burst)]
+        assert sub.bad_frames == len(range(0, burst, 7))
+    finally:
+        await sub.stop()
+        pub.close(linger=0)
+
+
 # -- the simulator publishes what its cache holds ---------------------------------------------
 
 

@@ -79,6 +79,10 @@ def test_another_checkouts_proxy_runs_from_its_own_venv(
     assert argv[:4] == [f"{tmp_path}/.venv/bin/python", "-P", "-m", "proxy"]
     assert spec.environment(6.0) == {"PROXY_HEALTH_INTERVAL_S": "6"}
     assert ROUTERS["proxy"].argv(["http://a"], 9)[1:3] == ["-m", "proxy"]  # this checkout's
+    (events,) = select(["proxy-events@base"])
+    assert events.kv_events and events.tree == tmp_path
+    assert events.environment(None) == {"PROXY_KV_EVENTS": "true"}
+    assert events.argv(["http://a"], 9)[:4] == argv[:4]
     with pytest.raises(ValueError, match="BENCH_TREES=LABEL=PATH"):
         select(["proxy@other"])
     with pytest.raises(ValueError, match="not LABEL=PATH"):

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from proxy.core.fleet import Fleet
 from proxy.core.hashing import Namespace, VllmHasher
@@ -18,7 +20,16 @@ from proxy.core.kv_view import (
     root_block,
 )
 from proxy.core.prefix_index import PrefixIndex
-from proxy.kv_events import Endpoints, KvEvents, batch_time, decode, endpoints_for
+from proxy.kv_events import (
+    _CACHED_TOKENS,
+    _COMPLETION_TOKENS,
+    Endpoints,
+    KvEvents,
+    batch_time,
+    decode,
+    endpoints_for,
+    first_match,
+)
 from proxy.settings import Settings
 
 
@@ -203,3 +214,22 @@ def test_the_exact_memo_is_exported_as_hits_and_misses() -> None:
     text = generate_latest(registry).decode()
     assert "rollout_proxy_kv_events_exact_memo_hits_total 8.0" in text
     assert "rollout_proxy_kv_events_exact_memo_misses_total 4.0" in text
+
+
+# Bodies made of the pieces the two patterns care about, so near-misses are frequent.
+_PIECES = st.sampled_from(
+    [b'"cached_tokens"', b'"completion_tokens"', b'"cached_tokens', b"cached_tokens", b":",
+     b" ", b"\n", b"7", b"0", b"1234567890123", b",", b'"', b"x", b'\\"', b"{", b"}"]
+)  # fmt: skip
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(_PIECES, max_size=30))
+def test_first_match_is_the_regex_search(pieces: list[bytes]) -> None:
+    body = b"".join(pieces)
+    for pattern, literal in (
+        (_CACHED_TOKENS, b'"cached_tokens"'),
+        (_COMPLETION_TOKENS, b'"completion_tokens"'),
+    ):
+        got, want = first_match(pattern, literal, body), pattern.search(body)
+        assert (got and (got.span(), got.group(1))) == (want and (want.span(), want.group(1)))

@@ -20,9 +20,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.core.kv_view import (
+    CLEARED,
     PYTHON_LOOPS,
     REMOVED,
     STORED,
+    KvEvent,
     ReplicaView,
     loops_for,
 )
@@ -141,3 +143,87 @@ def test_views_on_either_loops_agree(ops: list[tuple[str, list[int], int]], cap:
                 dict(py.pins), list(py.held)) == (
                 list(c.blocks), list(c.pending.items()), list(c.freed.items()),
                 dict(c.pins), list(c.held))  # fmt: skip
+
+
+class Event:
+    """A typed decoder's event (proxy/kv_events.py): ``kind`` and ``keys`` as attributes."""
+
+    def __init__(self, kind: str, keys: list[int]) -> None:
+        self.kind, self.keys = kind, keys
+
+
+# A batch: stores, removals, clears and kinds routing ignores, in any order.
+BATCHES = st.lists(
+    st.lists(
+        st.tuples(st.sampled_from([STORED, REMOVED, STORED, REMOVED, CLEARED, "Other"]), KEYS),
+        max_size=12,
+    ),
+    max_size=12,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(BATCHES, st.integers(0, 3), OPS)
+def test_c_batch_apply_equals_the_python_reference(
+    batches: list[list[tuple[str, list[int]]]], start: int, pins: list[tuple[str, list[int], int]]
+) -> None:
+    """view_apply against _apply: from any start, it stops at the same event, counts the same
+    confirmations and leaves the same containers, whatever is pinned or pending before."""
+    py, c = Containers(), Containers()
+    for op, keys, arg in pins:  # some pins, pending keys, freed blocks first
+        if op in ("hold", "expect", "store"):
+            run(PYTHON_LOOPS, py, op, keys, arg)
+            run(NATIVE, c, op, keys, arg)
+    for raw in batches:
+        events = [Event(k, keys) if i % 2 else KvEvent(k, tuple(keys)) for i, (k, keys) in
+                  enumerate(raw)]  # fmt: skip
+        got_c = NATIVE.apply(c.blocks, c.pending, c.freed, c.pins, c.tick, events, start)
+        got_py = PYTHON_LOOPS.apply(
+            py.blocks, py.pending, py.freed, py.pins, py.tick, events, start
+        )
+        assert got_c == got_py
+        assert c.state() == py.state()
+
+
+def test_batch_apply_stops_at_a_clear_and_refuses_a_negative_start() -> None:
+    for loops in (PYTHON_LOOPS, NATIVE):
+        c = Containers()
+        c.pending[2] = 1.0
+        events = [
+            KvEvent(STORED, (1, 2)),
+            KvEvent(REMOVED, (1,)),
+            KvEvent(CLEARED),
+            KvEvent(STORED, (3,)),
+        ]
+        assert loops.apply(c.blocks, c.pending, c.freed, c.pins, c.tick, events, 0) == (1, 2)
+        assert list(c.blocks) == [2] and list(c.freed) == [2]
+        assert loops.apply(c.blocks, c.pending, c.freed, c.pins, c.tick, events, 3) == (0, 4)
+        assert list(c.blocks) == [2, 3]
+        assert loops.apply(c.blocks, c.pending, c.freed, c.pins, c.tick, events, 9) == (0, 9)
+        with pytest.raises(ValueError):
+            loops.apply(c.blocks, c.pending, c.freed, c.pins, c.tick, events, -1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(BATCHES, OPS)
+def test_views_on_either_loops_agree_on_whole_batches(
+    batches: list[list[tuple[str, list[int]]]], ops: list[tuple[str, list[int], int]]
+) -> None:
+    """ReplicaView.apply on both loops with batches of many events (clears included) between
+    requests routed and answered."""
+    views = [ReplicaView(use_native=False), ReplicaView(use_native=True)]
+    for v in views:
+        v.apply(0, [0.0, []])
+    for seq, raw in enumerate(batches, 1):
+        payload = [0.0, [{"type": k, "block_hashes": keys} for k, keys in raw]]
+        _, keys, arg = ops[seq % len(ops)] if ops else ("hold", [], 0)
+        for v in views:
+            v.apply(seq, payload)
+            v.expect(keys, float(seq))
+            v.hold(seq, keys, float(seq))
+            v.release(arg)
+        py, c = views
+        assert (py.predictions_confirmed, py.events, py.resyncs, list(py.blocks),
+                list(py.pending.items()), list(py.freed.items()), dict(py.pins)) == (
+                c.predictions_confirmed, c.events, c.resyncs, list(c.blocks),
+                list(c.pending.items()), list(c.freed.items()), dict(c.pins))  # fmt: skip

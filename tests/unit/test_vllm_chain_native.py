@@ -1,0 +1,152 @@
+"""vLLM's exact block digests in C (proxy/core/_native.c's vllm_chain) against the reference
+(proxy/core/hashing.py's VllmHasher.digests: pickle / cbor2 and hashlib / xxhash per block).
+
+Random token ids drawn around every width boundary of pickle's and CBOR's integer encodings,
+every algorithm, block sizes around pickle's TUPLE1-3 / MARK..TUPLE switch, adapters, cache
+salts and seeds; then the same through ``VllmHasher.hash_tokens`` (the memoised path the router
+calls), which must also have taken the C path (no silent fallback), and vLLM's own vectors.
+Skipped where the extension is not built."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from array import array
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.core.hashing import VLLM_HASH_ALGOS, Namespace, VllmHasher, event_hash
+from tests.conftest import VLLM_VECTORS
+
+native = pytest.importorskip("proxy.core._native", reason="the C extension is not built")
+
+EDGES = [0, 1, 23, 24, 255, 256, 65_535, 65_536, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**63]
+IDS = st.one_of(
+    st.sampled_from(EDGES),
+    st.integers(0, 151_935),
+    st.integers(0, 2**32 - 1),
+    st.integers(0, 2**64 - 1),
+)
+NAMES = st.text(min_size=1, max_size=12)
+NAMESPACES = st.builds(
+    Namespace,
+    NAMES,
+    st.none() | st.sampled_from(["/adapters/v1", "a", "x" * 300]) | NAMES,
+    st.none() | st.sampled_from(["", "salt", "s" * 300]) | NAMES,
+)
+
+
+def _reference_keys(hasher: VllmHasher, tokens: list[int], ns: Namespace) -> list[int]:
+    return [event_hash(d) for d in hasher.digests(tokens, ns)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    algo=st.sampled_from(VLLM_HASH_ALGOS),
+    block_size=st.sampled_from([1, 2, 3, 4, 5, 16]),
+    tokens=st.lists(IDS, max_size=70),
+    ns=NAMESPACES,
+    seed=st.none() | st.sampled_from(["0", "42"]),
+)
+def test_hash_tokens_in_c_equals_the_reference(
+    algo: str, block_size: int, tokens: list[int], ns: Namespace, seed: str | None
+) -> None:
+    c = VllmHasher(block_size, algo, seed, use_native=True)
+    reference = VllmHasher(block_size, algo, seed, use_native=False)
+    want = _reference_keys(reference, tokens, ns)
+    assert c.hash_tokens(tokens, ns) == want
+    assert reference.hash_tokens(tokens, ns) == want
+    if want:
+        # The C path ran: the extras were encoded (not left to the reference) ...
+        assert c._encoded[(ns.model, ns.lora_path, ns.cache_salt, True)] is not None
+    # ... and again from the memo, and past a remembered prefix (the chain resumed in C).
+    assert c.hash_tokens(tokens, ns) == want
+    longer = tokens + [7] * block_size
+    assert c.hash_tokens(longer, ns) == _reference_keys(reference, longer, ns)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    algo=st.sampled_from(VLLM_HASH_ALGOS),
+    block_size=st.sampled_from([1, 3, 4, 16]),
+    tokens=st.lists(st.integers(0, 2**32 - 1), max_size=70),
+    start=st.integers(0, 5),
+    ns=NAMESPACES,
+)
+def test_vllm_chain_from_any_block_and_any_parent(
+    algo: str, block_size: int, tokens: list[int], start: int, ns: Namespace
+) -> None:
+    hasher = VllmHasher(block_size, algo, use_native=True)
+    full = len(tokens) // block_size
+    start = min(start, full)
+    first, lora = hasher._extras(ns, True)
+    encoded = hasher._encoded_extras(ns, True, first, lora)
+    assert encoded is not None
+    digests = hasher.digests(tokens, ns)
+    parent = digests[start - 1] if start else hasher._root
+    want = [(event_hash(d), d) for d in digests[start:]]
+    algo_id = VLLM_HASH_ALGOS.index(algo)
+    for form in (tokens, tuple(tokens), array("I", tokens), array("Q", tokens)):
+        got = native.vllm_chain(algo_id, parent, form, start, full, block_size, *encoded)
+        assert got == want
+
+
+def test_inputs_only_the_reference_encodes_are_declined() -> None:
+    hasher = VllmHasher(4, use_native=True)
+    encoded = hasher._encoded_extras(Namespace("m"), True, None, None)
+    assert encoded is not None
+    root = hasher._root
+    # bools and int subclasses pickle differently; negatives and ids past 64 bits do not fit
+    for tokens in ([1, 2, True, 4], [1, 2, -3, 4], [1, 2, 2**64, 4], [1.0, 2, 3, 4]):
+        assert native.vllm_chain(0, root, tokens, 0, 1, 4, *encoded) is None
+    assert native.vllm_chain(0, root, array("i", [1, 2, 3, 4]), 0, 1, 4, *encoded) is None
+    assert native.vllm_chain(0, root, iter([1, 2, 3, 4]), 0, 1, 4, *encoded) is None
+    with pytest.raises(ValueError):
+        native.vllm_chain(0, root, [1, 2, 3, 4], 0, 2, 4, *encoded)  # past the last full block
+    with pytest.raises(ValueError):
+        native.vllm_chain(9, root, [1, 2, 3, 4], 0, 1, 4, *encoded)
+    with pytest.raises(TypeError):
+        native.vllm_chain(0, "root", [1, 2, 3, 4], 0, 1, 4, *encoded)
+    # ... and hash_tokens still answers them, through the reference
+    ref = VllmHasher(4, use_native=False)
+    for tokens in ([1, 2, True, 4, 5, 6, 7, 8], [1, 2, 3, 4, False, 6, 7, 8]):
+        assert hasher.hash_tokens(tokens, Namespace("m")) == ref.hash_tokens(tokens, Namespace("m"))
+
+
+@pytest.mark.parametrize("algo", VLLM_HASH_ALGOS)
+def test_an_extra_the_template_cannot_place_takes_the_reference(algo: str) -> None:
+    # A cache salt past pickle's 64 KiB frame target splits the frame: the per-namespace check
+    # refuses the encoding and the reference hashes the blocks (CBOR has no frames: accepted).
+    ns = Namespace("m", None, "s" * 70_000)
+    c, ref = VllmHasher(2, algo, use_native=True), VllmHasher(2, algo, use_native=False)
+    tokens = list(range(9))
+    assert c.hash_tokens(tokens, ns) == ref.hash_tokens(tokens, ns)
+    placed = c._encoded[("m", None, ns.cache_salt, True)]
+    assert (placed is None) == (not algo.endswith("_cbor"))
+
+
+@pytest.mark.parametrize("case", json.loads(VLLM_VECTORS.read_text())["cases"])
+def test_vllm_vectors_through_c(case: dict[str, Any]) -> None:
+    hasher = VllmHasher(case["block_size"], case["algo"], case["pythonhashseed"], use_native=True)
+    ns = Namespace(case["lora_name"] or "base", case["lora_path"], case["cache_salt"])
+    assert hasher.hash_tokens(case["token_ids"], ns) == case["event_block_hashes"]
+    if case["event_block_hashes"]:  # a prompt shorter than a block hashes nothing
+        assert hasher._encoded[(ns.model, ns.lora_path, ns.cache_salt, True)] is not None
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.binary(max_size=300), st.booleans())
+def test_sha256_on_either_path_is_hashlibs(data: bytes, accelerated: bool) -> None:
+    """vllm_chain's SHA-256: the CPU's SHA extensions where it has them (SHA256_ACCELERATED),
+    and the portable code, each against hashlib, over every padding case (0-300 bytes)."""
+    assert native.sha256_hook(data, accelerated) == hashlib.sha256(data).digest()
+
+
+def test_the_accelerated_path_is_tested_where_the_cpu_has_it() -> None:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if " sha_ni" in flags:
+        assert native.SHA256_ACCELERATED == 1
