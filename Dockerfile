@@ -29,7 +29,7 @@ ENV PIP_NO_CACHE_DIR=1 \
 # release; the packages never reach the runtime stage.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends gcc libc6-dev python3-dev \
+    && apt-get install -y --no-install-recommends gcc libc6-dev python3-dev libssl-dev \
     && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /src

@@ -1667,162 +1667,59 @@ static PyObject *view_prefix(PyObject *self, PyObject *const *args, Py_ssize_t n
  * hashed with the SHA-256 below or the vendored XXH3-128.
  * ------------------------------------------------------------------------------------------- */
 
-/* SHA-256 (FIPS 180-4), portable C: what hashlib.sha256 computes. */
-typedef struct {
-    uint32_t h[8];
-    uint64_t length;
-    unsigned char buf[64];
-    size_t used;
-} Sha256;
+/* SHA-256 from OpenSSL's libcrypto, the library hashlib.sha256 itself calls (with its
+ * CPU-specific code: the SHA extensions where the CPU has them). setup.py defines
+ * PROXY_HAVE_OPENSSL when libcrypto 3 links; without it vllm_chain declines the sha256
+ * algorithms (returns None) and hashing.py hashes them in Python, as the reference does.
+ * The digest is fetched once at import and one context is reused: the module runs under the
+ * GIL, and OpenSSL 3's one-shot SHA256() fetches the algorithm on every call. */
+#ifdef PROXY_HAVE_OPENSSL
+#include <openssl/evp.h>
+static EVP_MD *sha256_md = NULL;
+static EVP_MD_CTX *sha256_ctx = NULL;
 
-static const uint32_t sha256_k[64] = {
-    0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4,
-    0xab1c5ed5, 0xd807aa98, 0x12835b01, 0x243185be, 0x550c7dc3, 0x72be5d74, 0x80deb1fe,
-    0x9bdc06a7, 0xc19bf174, 0xe49b69c1, 0xefbe4786, 0x0fc19dc6, 0x240ca1cc, 0x2de92c6f,
-    0x4a7484aa, 0x5cb0a9dc, 0x76f988da, 0x983e5152, 0xa831c66d, 0xb00327c8, 0xbf597fc7,
-    0xc6e00bf3, 0xd5a79147, 0x06ca6351, 0x14292967, 0x27b70a85, 0x2e1b2138, 0x4d2c6dfc,
-    0x53380d13, 0x650a7354, 0x766a0abb, 0x81c2c92e, 0x92722c85, 0xa2bfe8a1, 0xa81a664b,
-    0xc24b8b70, 0xc76c51a3, 0xd192e819, 0xd6990624, 0xf40e3585, 0x106aa070, 0x19a4c116,
-    0x1e376c08, 0x2748774c, 0x34b0bcb5, 0x391c0cb3, 0x4ed8aa4a, 0x5b9cca4f, 0x682e6ff3,
-    0x748f82ee, 0x78a5636f, 0x84c87814, 0x8cc70208, 0x90befffa, 0xa4506ceb, 0xbef9a3f7,
-    0xc67178f2,
-};
-
-#define SHA_ROR(x, n) (((x) >> (n)) | ((x) << (32 - (n))))
-
-static void sha256_block(uint32_t *h, const unsigned char *p) {
-    uint32_t w[64];
-    for (int i = 0; i < 16; i++)
-        w[i] = (uint32_t)p[4 * i] << 24 | (uint32_t)p[4 * i + 1] << 16 |
-               (uint32_t)p[4 * i + 2] << 8 | (uint32_t)p[4 * i + 3];
-    for (int i = 16; i < 64; i++) {
-        uint32_t s0 = SHA_ROR(w[i - 15], 7) ^ SHA_ROR(w[i - 15], 18) ^ (w[i - 15] >> 3);
-        uint32_t s1 = SHA_ROR(w[i - 2], 17) ^ SHA_ROR(w[i - 2], 19) ^ (w[i - 2] >> 10);
-        w[i] = w[i - 16] + s0 + w[i - 7] + s1;
-    }
-    uint32_t a = h[0], b = h[1], c = h[2], d = h[3], e = h[4], f = h[5], g = h[6], k = h[7];
-    for (int i = 0; i < 64; i++) {
-        uint32_t t1 = k + (SHA_ROR(e, 6) ^ SHA_ROR(e, 11) ^ SHA_ROR(e, 25)) +
-                      ((e & f) ^ (~e & g)) + sha256_k[i] + w[i];
-        uint32_t t2 = (SHA_ROR(a, 2) ^ SHA_ROR(a, 13) ^ SHA_ROR(a, 22)) +
-                      ((a & b) ^ (a & c) ^ (b & c));
-        k = g;
-        g = f;
-        f = e;
-        e = d + t1;
-        d = c;
-        c = b;
-        b = a;
-        a = t1 + t2;
-    }
-    h[0] += a, h[1] += b, h[2] += c, h[3] += d, h[4] += e, h[5] += f, h[6] += g, h[7] += k;
+static int sha256_init(void) {
+    sha256_md = EVP_MD_fetch(NULL, "SHA256", NULL);
+    sha256_ctx = sha256_md == NULL ? NULL : EVP_MD_CTX_new();
+    return sha256_ctx != NULL;
 }
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <cpuid.h>
-#include <immintrin.h>
-#define SHA_NI_BUILT 1
-
-/* The x86 SHA extensions (Intel SHA-NI, AMD since Zen): the same compression in ~1/5 of the
- * portable code's time, which makes hashing every block cheaper than remembering it (see
- * hashing.py's VllmHasher). Four rounds per step: sha256rnds2 twice, the message schedule with
- * sha256msg1 / sha256msg2 (Intel's "Intel SHA Extensions" paper, 2013). Chosen at import when
- * the CPU has them (sha256_accelerated). */
-__attribute__((target("sha,sse4.1"))) static void sha256_blocks_ni(uint32_t *h,
-                                                                   const unsigned char *p,
-                                                                   size_t blocks) {
-    const __m128i swap = _mm_set_epi64x(0x0c0d0e0f08090a0bULL, 0x0405060700010203ULL);
-    __m128i tmp = _mm_shuffle_epi32(_mm_loadu_si128((const __m128i *)&h[0]), 0xB1); /* CDAB */
-    __m128i state1 = _mm_shuffle_epi32(_mm_loadu_si128((const __m128i *)&h[4]), 0x1B); /* EFGH */
-    __m128i state0 = _mm_alignr_epi8(tmp, state1, 8);                               /* ABEF */
-    state1 = _mm_blend_epi16(state1, tmp, 0xF0);                                    /* CDGH */
-    for (size_t b = 0; b < blocks; b++, p += 64) {
-        __m128i abef = state0, cdgh = state1, w[4], msg;
-        for (int g = 0; g < 16; g++) {
-            if (g < 4)
-                w[g] = _mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(p + 16 * g)), swap);
-            msg = _mm_add_epi32(w[g & 3], _mm_loadu_si128((const __m128i *)&sha256_k[4 * g]));
-            state1 = _mm_sha256rnds2_epu32(state1, state0, msg);
-            if (g >= 3 && g <= 14) {
-                /* words 4(g+1).. from this group's and the previous one's */
-                __m128i prev = _mm_alignr_epi8(w[g & 3], w[(g - 1) & 3], 4);
-                __m128i next = _mm_add_epi32(w[(g + 1) & 3], prev);
-                w[(g + 1) & 3] = _mm_sha256msg2_epu32(next, w[g & 3]);
-            }
-            state0 = _mm_sha256rnds2_epu32(state0, state1, _mm_shuffle_epi32(msg, 0x0E));
-            if (g >= 1 && g <= 12) w[(g - 1) & 3] = _mm_sha256msg1_epu32(w[(g - 1) & 3], w[g & 3]);
-        }
-        state0 = _mm_add_epi32(state0, abef);
-        state1 = _mm_add_epi32(state1, cdgh);
-    }
-    tmp = _mm_shuffle_epi32(state0, 0x1B);       /* FEBA */
-    state1 = _mm_shuffle_epi32(state1, 0xB1);    /* DCHG */
-    state0 = _mm_blend_epi16(tmp, state1, 0xF0); /* DCBA */
-    state1 = _mm_alignr_epi8(state1, tmp, 8);    /* HGFE */
-    _mm_storeu_si128((__m128i *)&h[0], state0);
-    _mm_storeu_si128((__m128i *)&h[4], state1);
-}
-
-static int cpu_has_sha_ni(void) {
-    unsigned a, b, c, d;
-    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 19)) || !(c & (1u << 9))) return 0;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0; /* SSE4.1, SSSE3 above; SHA: */
-    return (b >> 29) & 1;
+/* 1 on success, 0 (with a Python exception set) when libcrypto fails. */
+static int sha256(const unsigned char *data, size_t n, unsigned char out[32]) {
+    unsigned int len = 0;
+    if (EVP_DigestInit_ex2(sha256_ctx, sha256_md, NULL) == 1 &&
+        EVP_DigestUpdate(sha256_ctx, data, n) == 1 &&
+        EVP_DigestFinal_ex(sha256_ctx, out, &len) == 1 && len == 32)
+        return 1;
+    PyErr_SetString(PyExc_RuntimeError, "libcrypto's SHA-256 failed");
+    return 0;
 }
 #else
-#define SHA_NI_BUILT 0
-static void sha256_blocks_ni(uint32_t *h, const unsigned char *p, size_t blocks) {
-    (void)h, (void)p, (void)blocks;
+static int sha256_init(void) { return 0; }
+static int sha256(const unsigned char *data, size_t n, unsigned char out[32]) {
+    (void)data, (void)n, (void)out;
+    PyErr_SetString(PyExc_RuntimeError, "built without libcrypto");
+    return 0;
 }
-static int cpu_has_sha_ni(void) { return 0; }
 #endif
 
-/* Whether sha256() uses the SHA extensions (set at import; sha256_hook's tests flip it). */
-static int sha_ni = 0;
+/* Whether vllm_chain hashes the sha256 algorithms in C (set at import). */
+static int sha256_in_c = 0;
 
-static void sha256_run(uint32_t *h, const unsigned char *p, size_t blocks) {
-    if (sha_ni) {
-        sha256_blocks_ni(h, p, blocks);
-        return;
-    }
-    for (size_t i = 0; i < blocks; i++) sha256_block(h, p + 64 * i);
-}
-
-static void sha256(const unsigned char *data, size_t n, unsigned char out[32]) {
-    uint32_t h[8] = {0x6a09e667, 0xbb67ae85, 0x3c6ef372, 0xa54ff53a,
-                     0x510e527f, 0x9b05688c, 0x1f83d9ab, 0x5be0cd19};
-    size_t full = n / 64 * 64;
-    sha256_run(h, data, full / 64);
-    unsigned char tail[128] = {0};
-    size_t rest = n - full, pad = rest < 56 ? 64 : 128;
-    memcpy(tail, data + full, rest);
-    tail[rest] = 0x80;
-    uint64_t bits = (uint64_t)n * 8;
-    for (int i = 0; i < 8; i++) tail[pad - 1 - i] = (unsigned char)(bits >> (8 * i));
-    sha256_run(h, tail, pad / 64);
-    for (int i = 0; i < 8; i++) {
-        out[4 * i] = (unsigned char)(h[i] >> 24);
-        out[4 * i + 1] = (unsigned char)(h[i] >> 16);
-        out[4 * i + 2] = (unsigned char)(h[i] >> 8);
-        out[4 * i + 3] = (unsigned char)h[i];
-    }
-}
-
-/* sha256_hook(data, accelerated) -> digest: hashlib.sha256(data).digest() through the SHA
- * extensions (when the CPU has them) or the portable code, for the twin tests of both. */
-static PyObject *sha256_hook(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 2 || !PyBytes_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "sha256_hook(data: bytes, accelerated: bool)");
+/* sha256_hook(data) -> digest: vllm_chain's SHA-256, for the twin test against hashlib. */
+static PyObject *sha256_hook(PyObject *self, PyObject *arg) {
+    if (!PyBytes_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "sha256_hook(data: bytes)");
         return NULL;
     }
-    int want = PyObject_IsTrue(args[1]);
-    if (want < 0) return NULL;
-    int saved = sha_ni;
-    sha_ni = want && cpu_has_sha_ni();
     unsigned char out[32];
-    sha256((const unsigned char *)PyBytes_AS_STRING(args[0]), (size_t)PyBytes_GET_SIZE(args[0]),
-           out);
-    sha_ni = saved;
+    if (!sha256_in_c) {
+        PyErr_SetString(PyExc_RuntimeError, "built without libcrypto");
+        return NULL;
+    }
+    if (!sha256((const unsigned char *)PyBytes_AS_STRING(arg), (size_t)PyBytes_GET_SIZE(arg),
+                out))
+        return NULL;
     return PyBytes_FromStringAndSize((const char *)out, 32);
 }
 
@@ -1987,6 +1884,7 @@ static PyObject *vllm_chain(PyObject *self, PyObject *const *args, Py_ssize_t na
     }
     Py_ssize_t parent_len = PyBytes_GET_SIZE(args[1]);
     int xxh = algo == ALGO_XXH_PICKLE || algo == ALGO_XXH_CBOR;
+    if (!xxh && !sha256_in_c) Py_RETURN_NONE; /* no libcrypto: the reference hashes */
     Py_ssize_t digest_len = xxh ? 16 : 32;
     /* A digest this function makes, or the chain's root (a digest too): SHORT_BINBYTES and a
      * one-byte CBOR length hold it; anything longer is not a vLLM digest. */
@@ -2027,8 +1925,11 @@ static PyObject *vllm_chain(PyObject *self, PyObject *const *args, Py_ssize_t na
             XXH128_canonical_t c;
             XXH128_canonicalFromHash(&c, XXH3_128bits(buf, n));
             memcpy(digest, c.digest, 16);
-        } else {
-            sha256(buf, n, digest);
+        } else if (!sha256(buf, n, digest)) {
+            PyMem_Free(ids);
+            PyMem_Free(buf);
+            Py_DECREF(out);
+            return NULL;
         }
         uint64_t key = 0;
         for (Py_ssize_t j = digest_len - 8; j < digest_len; j++) key = key << 8 | digest[j];
@@ -2084,8 +1985,8 @@ static PyMethodDef methods[] = {
      "kv_view._apply"},
     {"view_prefix", (PyCFunction)(void (*)(void))view_prefix, METH_FASTCALL,
      "view_prefix(blocks, pending, freed, keys, doomed) -> n: kv_view._prefix"},
-    {"sha256_hook", (PyCFunction)(void (*)(void))sha256_hook, METH_FASTCALL,
-     "sha256_hook(data, accelerated) -> sha256 digest (the twin tests' hook)"},
+    {"sha256_hook", sha256_hook, METH_O,
+     "sha256_hook(data) -> vllm_chain's sha256 digest (the twin test's hook)"},
     {"vllm_chain", (PyCFunction)(void (*)(void))vllm_chain, METH_FASTCALL,
      "vllm_chain(algo, parent, tokens, start, stop, block_size, first_extra, extra) -> "
      "[(event key, digest)] or None: VllmHasher.digests"},
@@ -2126,9 +2027,9 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (empty_tuple == NULL) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
-    sha_ni = cpu_has_sha_ni();
-    /* Whether vllm_chain's SHA-256 runs on the CPU's SHA extensions (hashing.py reads it). */
-    if (PyModule_AddIntConstant(m, "SHA256_ACCELERATED", sha_ni) < 0) {
+    sha256_in_c = sha256_init();
+    /* Whether vllm_chain hashes the sha256 algorithms in C (libcrypto linked and working). */
+    if (PyModule_AddIntConstant(m, "SHA256_IN_C", sha256_in_c) < 0) {
         Py_DECREF(m);
         return NULL;
     }

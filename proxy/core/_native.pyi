@@ -4,7 +4,7 @@ from collections.abc import Sequence
 from typing_extensions import Buffer
 
 XXHASH_VERSION: str
-SHA256_ACCELERATED: int
+SHA256_IN_C: int
 # (HAS_CHILD, BRANCHING, REQUEST_END, FP_SHIFT, FP_MASK, HOLDERS_SHIFT): prefix_index.INDEX_LAYOUT
 INDEX_LAYOUT: tuple[int, int, int, int, int, int]
 
@@ -30,4 +30,4 @@ def vllm_chain(
     extra: bytes,
     /,
 ) -> list[tuple[int, bytes]] | None: ...
-def sha256_hook(data: bytes, accelerated: bool, /) -> bytes: ...
+def sha256_hook(data: bytes, /) -> bytes: ...
