@@ -351,10 +351,7 @@ class RelayedBody(Response):
         pending = self.pending
         if pending is not None:
             self.pending = None
-            try:
-                pending[0].after_answer(self, *pending[1:])
-            except Exception:  # the client has its answer: a bug here is logged, not raised
-                log.exception("request %s: bookkeeping after the answer failed", self.request_id)
+            pending[0].after_answer(self, *pending[1:])
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
