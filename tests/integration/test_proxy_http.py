@@ -118,8 +118,7 @@ def test_a_multi_turn_continuation_follows_the_replica_that_generated_its_turn(
     make_fleet,
 ) -> None:
     """The next turn is prompt + generated ids + tool output: the generated blocks are learned
-    from the answer in the loop step that writes it, before the proxy reads anything else, so
-    the index knows prompt + completion when the next turn arrives."""
+    from the answer before it is relayed, so the index knows prompt + completion."""
     h = make_fleet(3)
     load(h, "trl-policy-v1")
     rng = random.Random(7)
@@ -131,8 +130,7 @@ def test_a_multi_turn_continuation_follows_the_replica_that_generated_its_turn(
     key = RoutingKey("trl-policy-v1", turn, None, None, False, 1)
     blocks = rt.router.block_keys(key, rt.fleet.lora_path("trl-policy-v1"))
     assert len(blocks) > len(p) // 16  # the completion fills blocks of its own
-    # Learned right after the answer is written (waiting only guards against this thread reading
-    # the index before the proxy's thread gets there).
+    # Learned before the answer is relayed (waiting only guards against a slow test thread).
     wait_until(lambda: len(rt.router.index.lookup(blocks)) == len(blocks), 5)
     cont = turn + [rng.randrange(50_000) for _ in range(40)]
     r = h.client.post("/v1/completions", json=rollout("trl-policy-v1", cont, 1))
