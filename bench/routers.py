@@ -153,11 +153,9 @@ def trees(setting: str | None = None) -> dict[str, Path]:
 def select(names: Sequence[str]) -> list[RouterSpec]:
     known = dict(ROUTERS)
     for label, path in trees().items():
-        name = f"proxy@{label}"
-        known[name] = RouterSpec(name, f"rollout-proxy as checked out at {path}", tree=path)
         # The events router and its exact-hash control too, so a change to the events path is
         # measured against its base in one run as well.
-        for variant in ("proxy-events", "proxy-exact"):
+        for variant in ("proxy", "proxy-events", "proxy-exact"):
             spec, name = ROUTERS[variant], f"{variant}@{label}"
             known[name] = replace(
                 spec, name=name, description=f"{spec.description}, as at {path}", tree=path

@@ -223,14 +223,22 @@ def test_admin_kv_events_says_when_the_feature_is_off(make_fleet: Any) -> None:
     assert "PROXY_KV_EVENTS" in resp.json()["error"]["message"]
 
 
-async def test_subscriber_task_survives_and_stops_cleanly() -> None:
+def _started_on_a_local_publisher(
+    view_capacity: int,
+) -> tuple[zmq.asyncio.Socket, ReplicaSubscriber]:
+    """A PUB socket on a free local port and a started subscriber to it (no replay socket)."""
     ctx = zmq.asyncio.Context.instance()
     pub = ctx.socket(zmq.PUB)
     port = pub.bind_to_random_port("tcp://127.0.0.1")
     sub = ReplicaSubscriber(
-        0, Endpoints(f"tcp://127.0.0.1:{port}", None), ReplicaView(10), ctx, "", 1.0
+        0, Endpoints(f"tcp://127.0.0.1:{port}", None), ReplicaView(view_capacity), ctx, "", 1.0
     )
     sub.start()
+    return pub, sub
+
+
+async def test_subscriber_task_survives_and_stops_cleanly() -> None:
+    pub, sub = _started_on_a_local_publisher(10)
     try:
         deadline = time.monotonic() + 10
         while not sub.view.live:
@@ -248,13 +256,7 @@ async def test_batches_queued_together_are_all_applied_in_order() -> None:
     """A burst of batches sent while the subscriber is not running: every one is applied once
     and in order (a lost or reordered batch would show as a gap), with bad frames among them
     counted and skipped."""
-    ctx = zmq.asyncio.Context.instance()
-    pub = ctx.socket(zmq.PUB)
-    port = pub.bind_to_random_port("tcp://127.0.0.1")
-    sub = ReplicaSubscriber(
-        0, Endpoints(f"tcp://127.0.0.1:{port}", None), ReplicaView(1000), ctx, "", 1.0
-    )
-    sub.start()
+    pub, sub = _started_on_a_local_publisher(1000)
     try:
         deadline = time.monotonic() + 10
         while not sub.view.live:  # the connection is up once a batch 0 gets through
