@@ -10,6 +10,7 @@ import httpx
 
 from tests.support.fake_vllm import FakeVllm
 from tests.support.servers import ServerThread
+from tests.support.traffic import settled
 
 
 def rollout(model: str, seed: int, prompt: list[int] | None = None) -> dict:
@@ -59,7 +60,7 @@ async def test_drain_finishes_in_flight_and_takes_nothing_new(make_fleet) -> Non
             asyncio.create_task(client.post("/v1/completions", json=rollout("tiny/base", s)))
             for s in range(6)
         ]
-        await asyncio.sleep(0.2)
+        await settled(lambda: h.rt.fleet.replicas[0].in_flight > 0, what="work on replica 0")
         on_a = h.rt.fleet.replicas[0].in_flight
         drained = (await client.post("/admin/replicas/0/drain")).json()
         assert drained["status"] == "draining"
@@ -84,7 +85,7 @@ async def test_remove_waits_for_in_flight_then_forgets(make_fleet) -> None:
             asyncio.create_task(client.post("/v1/completions", json=rollout("tiny/base", s)))
             for s in range(4)
         ]
-        await asyncio.sleep(0.15)
+        await settled(lambda: h.rt.fleet.replicas[0].in_flight > 0, what="work on replica 0")
         started = time.monotonic()
         removed = (await client.delete("/admin/replicas/0")).json()
         waited = time.monotonic() - started

@@ -32,6 +32,19 @@ def wait_until(
         time.sleep(0.02)
 
 
+async def settled(
+    predicate: Callable[[], object], timeout: float = 5.0, what: str = "the condition"
+) -> None:
+    """``wait_until`` for a test running on the event loop: yields to it between polls, so the
+    requests the test started make progress. Replaces a fixed sleep that assumed how fast a
+    loaded CI machine gets a request to a replica (a 0.2 s sleep once saw none there)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
 @dataclass
 class Result:
     model: str
