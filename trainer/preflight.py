@@ -98,6 +98,28 @@ class Verdict:
     warnings: list[str] = field(default_factory=list)
 
 
+# What a message shows of one name a replica reported, and how many names of a list: the names are
+# untrusted (a replica or an operator's script chose them) and a message quoting a 1 MB name, or
+# 500 of them, buries the sentence that says what to do. 120 characters hold any real model path
+# or adapter name seen (HF ids, /mnt/bucket/... paths are well under); 8 names are a screenful.
+SHOWN_NAME_CHARS = 120
+SHOWN_NAMES = 8
+
+
+def _shown(name: str) -> str:
+    """``name`` quoted for a message, cut to :data:`SHOWN_NAME_CHARS` with its full length said."""
+    if len(name) <= SHOWN_NAME_CHARS:
+        return repr(name)
+    return f"{name[:SHOWN_NAME_CHARS]!r}... ({len(name):,} characters)"
+
+
+def _shown_list(names: list[str] | tuple[str, ...]) -> str:
+    """Up to :data:`SHOWN_NAMES` of ``names``, each :func:`_shown`, then how many more."""
+    shown = ", ".join(_shown(n) for n in names[:SHOWN_NAMES])
+    more = len(names) - SHOWN_NAMES
+    return shown + (f" and {more} more" if more > 0 else "")
+
+
 def _round_rank(rank: int) -> int:
     return next((r for r in VLLM_LORA_RANKS if r >= rank), VLLM_LORA_RANKS[-1])
 
@@ -182,8 +204,8 @@ def evaluate(
     max_model_len = _int(base.get("max_model_len"))
     if max_model_len is None:
         problems.append(
-            f"/v1/models lists {served!r} first without a max_model_len: the base model must come "
-            "first (TRL reads data[0].max_model_len)"
+            f"/v1/models lists {_shown(served)} first without a max_model_len: the base model "
+            "must come first (TRL reads data[0].max_model_len)"
         )
         max_model_len = 0
     elif max_model_len <= req.max_completion_length:
@@ -194,8 +216,8 @@ def evaluate(
         )
     if not any(_same_model(req.base_model, name) for name in (served, model_path) if name):
         message = (
-            f"the replicas serve {served!r} (path {model_path!r}) but the trainer trains "
-            f"{req.base_model!r}: adapters trained on one base model are garbage on another"
+            f"the replicas serve {_shown(served)} (path {_shown(model_path)}) but the trainer "
+            f"trains {req.base_model!r}: adapters trained on one base model are garbage on another"
         )
         if req.allow_base_model_mismatch:
             warnings.append(message + " (allowed by allow_base_model_mismatch)")
@@ -214,7 +236,7 @@ def evaluate(
     if verdict.facts.stale_adapters:
         warnings.append(
             f"{len(verdict.facts.stale_adapters)} adapter(s) from an earlier run are loaded: "
-            f"{', '.join(verdict.facts.stale_adapters)}"
+            f"{_shown_list(verdict.facts.stale_adapters)}"
         )
     return verdict
 
@@ -308,10 +330,10 @@ def sweep(client: httpx.Client, names: tuple[str, ...]) -> None:
                 "/v1/unload_lora_adapter", json={"lora_name": name}, timeout=CALL_TIMEOUT_S
             )
         except httpx.TransportError as exc:
-            raise PreflightError(f"unloading stale adapter {name} failed: {exc}") from exc
+            raise PreflightError(f"unloading stale adapter {_shown(name)} failed: {exc}") from exc
         if response.status_code not in (200, 404):
-            raise PreflightError(f"unloading stale adapter {name}: {_describe(response)}")
-        logger.info("preflight: unloaded stale adapter %s (%s)", name, response.status_code)
+            raise PreflightError(f"unloading stale adapter {_shown(name)}: {_describe(response)}")
+        logger.info("preflight: unloaded stale adapter %s (%s)", _shown(name), response.status_code)
     # A resumed run republishes the versions its predecessor loaded after the last checkpoint,
     # under the same names and paths but with the checkpoint's weights. vLLM keys cached KV blocks
     # on (name, path), and an unload does not evict them: clear the caches so no request can reuse
@@ -358,8 +380,9 @@ def run_preflight(
             ]
             if colliding:
                 raise PreflightError(
-                    f"adapters from an earlier run are still loaded ({', '.join(colliding)}) under "
-                    f"names this run will publish (from {ADAPTER_PREFIX}v{req.first_version} on), "
+                    "adapters from an earlier run are still loaded "
+                    f"({_shown_list(colliding)}) under names this run will publish "
+                    f"(from {ADAPTER_PREFIX}v{req.first_version} on), "
                     "and vLLM refuses a name it already holds. Enable sweep_stale_adapters or "
                     "unload them"
                 )
@@ -378,14 +401,14 @@ def run_preflight(
             ]
             if left:
                 raise PreflightError(
-                    f"stale adapters still loaded after the sweep: {', '.join(left)}"
+                    f"stale adapters still loaded after the sweep: {_shown_list(left)}"
                 )
             kept = tuple(a for a in facts.adapters if not a.startswith(ADAPTER_PREFIX))
             facts = replace(facts, adapters=kept)
         logger.info(
             "preflight ok: %s serves %s (max_model_len %d, max_lora_rank %d, max_loras %d)",
             base_url,
-            facts.served_model,
+            _shown(facts.served_model),
             facts.max_model_len,
             facts.max_lora_rank,
             facts.max_loras,

@@ -300,7 +300,7 @@ def test_sweep_disabled_refuses_names_this_run_will_publish() -> None:
     facts = _run(proxy, sweep=False, first_version=8)
     assert facts.stale_adapters == ("trl-policy-v3", "trl-policy-v7")
     assert not [c for c in proxy.calls if c.startswith("POST")]
-    with pytest.raises(PreflightError, match="\\(trl-policy-v8\\)"):
+    with pytest.raises(PreflightError, match="\\('trl-policy-v8'\\)"):
         _run(MockProxy(adapters=["trl-policy-v7", "trl-policy-v8"]), sweep=False, first_version=8)
 
 
@@ -332,7 +332,7 @@ def test_over_long_adapter_version_from_the_replicas_is_not_a_crash() -> None:
     assert facts.stale_adapters == (huge,)
     assert not [c for c in proxy.calls if c.startswith("POST")]
     # Beside a name this run will publish, only that one is reported as colliding.
-    with pytest.raises(PreflightError, match=r"still loaded \(trl-policy-v2\) under names"):
+    with pytest.raises(PreflightError, match=r"still loaded \('trl-policy-v2'\) under names"):
         _run(MockProxy(adapters=[huge, "trl-policy-v2"]), sweep=False)
     # The sweep unloads it like any other trl-policy-* adapter.
     proxy = MockProxy(adapters=[huge])
@@ -340,14 +340,29 @@ def test_over_long_adapter_version_from_the_replicas_is_not_a_crash() -> None:
     assert proxy.adapters == []
 
 
+def test_messages_cut_untrusted_names(caplog: pytest.LogCaptureFixture) -> None:
+    """A replica's names are quoted, cut to SHOWN_NAME_CHARS with their length said, and a long
+    list is cut to SHOWN_NAMES: the message stays a sentence that says what to do."""
+    huge = "trl-policy-v1" + "x" * 100_000
+    many = [huge] + [f"trl-policy-v{v}" for v in range(2, 40)]
+    proxy = MockProxy(adapters=many)
+    with pytest.raises(PreflightError) as refused:
+        _run(proxy, sweep=False)
+    message = str(refused.value)  # the 38 this run would publish, not the over-long one
+    assert len(message) < 1_000 and "'trl-policy-v2'" in message and "and 30 more" in message
+    warned = " ".join(r.getMessage() for r in caplog.records)  # all 39, the over-long one cut
+    assert len(warned) < 1_000 and "39 adapter(s) from an earlier run" in warned
+    assert "'trl-policy-v1xxx" in warned and "... (100,013 characters)" in warned
+
+
 def test_sweep_that_does_not_take_is_an_error() -> None:
     proxy = MockProxy(adapters=["trl-policy-v3"])
     proxy.unload_keeps = True
-    with pytest.raises(PreflightError, match="still loaded after the sweep: trl-policy-v3"):
+    with pytest.raises(PreflightError, match="still loaded after the sweep: 'trl-policy-v3'"):
         _run(proxy)
     proxy = MockProxy(adapters=["trl-policy-v3"])
     proxy.unload_status = 500
-    with pytest.raises(PreflightError, match="unloading stale adapter trl-policy-v3: HTTP 500"):
+    with pytest.raises(PreflightError, match="unloading stale adapter 'trl-policy-v3': HTTP 500"):
         _run(proxy)
 
 
