@@ -1084,6 +1084,14 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--groups", type=int, default=None, help="prompts (default: the workload's)")
+    p.add_argument(
+        "--max-inflight",
+        type=int,
+        default=None,
+        help="rollouts in flight, TRL's max_inflight_tasks (default: the workload's, "
+        "bench/workload.py; TRL's reference run keeps 128). A tight workload's caches stay its "
+        "share of the working set, which grows with it",
+    )
     p.add_argument("--time-scale", type=float, default=None, help="real s per simulated s")
     p.add_argument("--kv-blocks", type=int, default=None, help="KV blocks per replica")
     p.add_argument(
@@ -1128,6 +1136,10 @@ def configs(args: argparse.Namespace) -> tuple[list[Workload], list[int]]:
             )
         elif args.groups:
             wcfg = dataclasses.replace(wcfg, groups=args.groups)
+        if args.max_inflight is not None:
+            if args.max_inflight < 1:
+                raise ValueError("--max-inflight must be >= 1")
+            wcfg = dataclasses.replace(wcfg, max_inflight=args.max_inflight)
         wcfg = dataclasses.replace(wcfg, seed=args.seed)
         if args.time_scale:
             sim = dataclasses.replace(sim, time_scale=args.time_scale)

@@ -13,6 +13,7 @@ from bench.run_routing import (
     _added_latency_ms,
     _busy_before_drain,
     _parse_args,
+    _setup_line,
     _targets,
     _union_seconds,
     configs,
@@ -38,6 +39,21 @@ def test_workloads_and_fleet_sizes_are_selectable() -> None:
     assert sizes == [2] and smoke.workload.groups == 6 and smoke.sim.time_scale == 0.01
     with pytest.raises(ValueError, match="unknown workload"):
         configs(_parse_args(["--workload", "chat"]))
+
+
+def test_max_inflight_is_selectable_and_recorded() -> None:
+    """--max-inflight sets TRL's max_inflight_tasks for the run (default: the workload's), the
+    Setup line says it, and a tight cache stays its share of the (grown) working set."""
+    (default,), _ = configs(_parse_args(["--workload", "tight"]))
+    (w,), _ = configs(_parse_args(["--workload", "tight", "--max-inflight", "128"]))
+    assert default.workload.max_inflight == 64 and w.workload.max_inflight == 128
+    assert "128 rollouts in flight" in _setup_line(w)
+    assert "64 rollouts in flight" in _setup_line(default)
+    assert w.sim_for(4).kv_blocks == pytest.approx(2 * default.sim_for(4).kv_blocks, abs=1)
+    (smoke,), _ = configs(_parse_args(["--smoke", "--max-inflight", "4"]))
+    assert smoke.workload.max_inflight == 4
+    with pytest.raises(ValueError, match="--max-inflight"):
+        configs(_parse_args(["--max-inflight", "0"]))
 
 
 def test_event_routers_run_in_the_workloads_named() -> None:
