@@ -195,3 +195,33 @@ def test_the_output_mean_follows_the_last_answers() -> None:
     for _ in range(OUTPUT_WINDOW):
         matcher.observe_output(300)
     assert 220 < matcher.output_tokens < 300
+
+
+def test_admitted_requests_reserve_the_running_requests_longer_outputs() -> None:
+    # Answers of 100 and 300 tokens: mean 200, but a request found running is drawn in
+    # proportion to how long it runs: E[L^2] / E[L] = 250 tokens. Waiting requests reserve
+    # ceil((200 + 8) / 16) = 13 blocks (their output and, on average, half a partial prompt
+    # block), the admitted one ceil((250 + 8) / 16) = 17. In 48 blocks with 15 cached, the
+    # queued request's 5 + 13 then exceed the 16 free by 2: the freed prompt loses its last 2
+    # blocks. Reserving the mean for the admitted request too (13) left 20 free: nothing evicted.
+    fleet = Fleet(48)
+    fleet.matcher.observe_output(100)
+    fleet.matcher.observe_output(300)
+    assert fleet.matcher.output_tokens == 200.0
+    assert fleet.matcher.running_output_tokens == 250.0
+    first = chain(10, 100)
+    done = fleet.route(first, 0)
+    fleet.report(0, stored(*first))
+    assert fleet.matcher.outcome(done) is not None  # answered: its blocks are freed
+    fleet.route(chain(5, 500), 0)
+    fleet.report(0, stored(*chain(5, 500)))  # admitted
+    fleet.route(chain(5, 600), 0)  # waiting
+    assert fleet.reach(first + chain(4, 900)) == {0: 8, 1: 0}
+
+
+def test_the_running_output_is_the_mean_when_answers_are_alike() -> None:
+    matcher = PreciseMatcher({}, clock=lambda: 0.0, block_size=lambda: BS)
+    assert matcher.running_output_tokens == EXPECTED_OUTPUT_TOKENS  # before any answer
+    for _ in range(10):
+        matcher.observe_output(160)
+    assert matcher.running_output_tokens == 160.0
