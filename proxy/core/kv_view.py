@@ -421,8 +421,7 @@ class ReplicaView:
         # compacts them.
         self.freed: dict[int, int] = {}
         self._tick = count()
-        self.pins: Counter[int] = Counter()  # key -> requests admitted here that hold it
-        self._admitted: set[int] = set()  # tokens of ``held`` whose keys ``pins`` counts
+        self.pins: Counter[int] = Counter()  # key -> requests in flight here that hold it
         # In flight here, oldest first: token -> (prompt keys, blocks it must allocate, time
         # after which it no longer counts as waiting: see ``doomed``).
         self.held: OrderedDict[int, tuple[Sequence[int], int, float]] = OrderedDict()
@@ -584,25 +583,13 @@ class ReplicaView:
             pending.popitem(last=False)
 
     def hold(self, token: int, keys: Sequence[int], now: float = 0.0) -> None:
-        """A request with prompt blocks ``keys`` was just routed here: the ones not cached must
-        be allocated. Its blocks are pinned (not evictable) once it is admitted (``doomed``
-        sees its last prompt block stored) until ``release(token)``. Not before: a request
-        waiting in the replica's queue holds no block (vLLM and the simulator take a request's
-        hits when they admit it), so what it would hit stays where it is in the LRU and an
-        earlier admission may evict it -- a group's shared prompt that only queued siblings
-        still want included (the horizon counted such blocks safe and over-predicted the hits
-        of 9-16% of the decisions it cut on tight x4: bench/results/kv_events_r10.md)."""
-        blocks = self.blocks
-        new = len(keys) - sum(map(blocks.__contains__, keys))
+        """A request with prompt blocks ``keys`` was just routed here: they are pinned (not
+        evictable) until ``release(token)``; the ones not cached must be allocated."""
+        new = self._loops.hold(self.pins, self.freed, self.blocks, keys)
         held = self.held
         held[token] = (keys, new, now + PENDING_TTL_S)
         while len(held) > MAX_HELD_REQUESTS:
             self.release(next(iter(held)))
-
-    def _admit(self, token: int, keys: Sequence[int]) -> None:
-        """The request ``token`` was admitted: its keys are pinned, out of the LRU."""
-        self._loops.hold(self.pins, self.freed, self.blocks, keys)
-        self._admitted.add(token)
 
     def release(self, token: int) -> None:
         """The request ``token`` finished: its blocks no other request here pins are freed, to
@@ -610,18 +597,9 @@ class ReplicaView:
         entry = self.held.pop(token, None)
         if entry is None:
             return
-        if token not in self._admitted:  # answered before its admission was seen
-            self._admit(token, entry[0])
-        self._admitted.discard(token)
         self._loops.release(self.pins, self.freed, self.blocks, self._tick, entry[0])
 
-    def doomed(
-        self,
-        capacity_blocks: int,
-        output_blocks: int,
-        now: float = 0.0,
-        admitted_output_blocks: int | None = None,
-    ) -> int:
+    def doomed(self, capacity_blocks: int, output_blocks: int, now: float = 0.0) -> int:
         """The cached blocks the replica will have evicted before a request routed here now is
         admitted, by its own rules: admission is FCFS and reserves a request's whole context
         (the prompt blocks it does not hold and ``output_blocks``); once the free pool is
@@ -629,9 +607,7 @@ class ReplicaView:
         requests routed here and not yet admitted (their last prompt block not yet reported
         stored) evict ``their allocations - free blocks`` from the head of ``freed`` before
         this one is admitted. Free blocks: the capacity less what is cached and the output
-        reservations of the admitted requests (``admitted_output_blocks`` each, default
-        ``output_blocks``: the requests running are the longer ones, see
-        ``PreciseMatcher.running_output_tokens``). A request still not admitted PENDING_TTL_S after
+        reservations of the admitted requests. A request still not admitted PENDING_TTL_S after
         it was routed no longer counts as waiting: its answer may never come back to release it
         (retried elsewhere, the client gone), and a queue that long is beyond what the views'
         pending blocks assume too.
@@ -639,23 +615,18 @@ class ReplicaView:
         Returns the freed-stamp up to which blocks are doomed (``freed``'s values), or -1 for
         none: when the allocations fit (the usual case on a cache that holds what is in
         flight) or the capacity is unknown (0)."""
+        freed = self.freed
+        if capacity_blocks <= 0 or not freed:
+            return -1
         blocks = self.blocks
-        marked = self._admitted
         waiting = admitted = 0
-        for token, (keys, new, deadline) in self.held.items():
+        for keys, new, deadline in self.held.values():
             if keys and keys[-1] not in blocks:
                 if deadline > now:
                     waiting += new + output_blocks
             else:
                 admitted += 1
-                if token not in marked:
-                    self._admit(token, keys)
-        freed = self.freed
-        if capacity_blocks <= 0 or not freed:
-            return -1
-        if admitted_output_blocks is None:
-            admitted_output_blocks = output_blocks
-        free = capacity_blocks - len(blocks) - admitted * admitted_output_blocks
+        free = capacity_blocks - len(blocks) - admitted * output_blocks
         evictions = waiting - max(free, 0)
         if evictions <= 0:
             return -1
@@ -733,10 +704,6 @@ class PreciseMatcher:
         # Output tokens a request reserves in the horizon (``doomed``): the answers' running
         # mean once any came back (``observe_output``), the cost model's figure before.
         self.output_tokens = float(EXPECTED_OUTPUT_TOKENS)
-        # ... and the mean of their squares over the same window: a request found running is
-        # drawn in proportion to how long it runs, so its expected output is E[L^2] / E[L]
-        # (``running_output_tokens``), not the answers' mean.
-        self._output_squares = float(EXPECTED_OUTPUT_TOKENS) ** 2
         self._outputs = 0
 
     def live_mask(self, replicas: Sequence[int]) -> int:
@@ -787,24 +754,13 @@ class PreciseMatcher:
         views = self.views
         bs = self._block_size()
         capacity = self.capacity_tokens
-        # What a request reserves on admission: its whole context rounded up to blocks
-        # (bench/simulator.py ``_admit``), i.e. its output plus its prompt's partial last block
-        # -- on average half a block of tokens, as the view knows the prompt's full blocks only.
-        # Waiting requests reserve the answers' mean output; the admitted ones, the running
-        # requests' (length-biased) mean. Measured on tight x4 (bench/results/kv_events_r10.md):
-        # answers' mean 266 tokens, running 305; with the mean alone and no partial block the
-        # horizon under-counted evictions (over 9-16% of the decisions it cut, never under).
-        half = bs // 2
-        output_blocks = -(-(round(self.output_tokens) + half) // bs)
-        running_blocks = -(-(round(self.running_output_tokens) + half) // bs)
+        output_blocks = -(-round(self.output_tokens) // bs)
         # What each live view will still hold when the request is admitted there (``doomed``),
         # by reach, shortest first.
         by_reach = sorted(
             (
                 views[r].held_prefix(
-                    event_keys,
-                    now,
-                    views[r].doomed(capacity.get(r, 0) // bs, output_blocks, now, running_blocks),
+                    event_keys, now, views[r].doomed(capacity.get(r, 0) // bs, output_blocks, now)
                 ),
                 r,
             )
@@ -888,17 +844,6 @@ class PreciseMatcher:
         # next OUTPUT_WINDOW answers, so it counts as at most MAX_OUTPUT_TOKENS.
         tokens = min(max(tokens, 0), MAX_OUTPUT_TOKENS)
         self.output_tokens += (tokens - self.output_tokens) / self._outputs
-        self._output_squares += (tokens * tokens - self._output_squares) / self._outputs
-
-    @property
-    def running_output_tokens(self) -> float:
-        """The output a request in flight reserves, on average: E[L^2] / E[L] over the window
-        (length-biased sampling: a request twice as long is running twice as long). Equal to
-        ``output_tokens`` when every answer has the same length (or none came back yet)."""
-        mean = self.output_tokens
-        if mean <= 0.0:
-            return 0.0
-        return self._output_squares / mean
 
     def routed(self, decision: object, replica: int) -> None:
         """The last ``specific_matches`` request went to ``replica``: its blocks count as held

@@ -111,26 +111,6 @@ def test_blocks_a_request_in_flight_pins_survive_the_queue() -> None:
     assert fleet.reach(prompt + chain(3, 900)) == {0: 10, 1: 0}
 
 
-def test_a_prompt_only_queued_requests_want_is_evicted_like_any_freed_block() -> None:
-    # A group's sibling answered on replica 0 (its 10-block prompt freed); a second sibling and
-    # another request then queue there. A queued request holds no block (the replica takes its
-    # hits when it admits it), so the queue's allocations (2 + OUT and 5 + OUT of 35 free)
-    # evict the shared prompt too: a third sibling routed now finds none of it at admission.
-    # Counting the queued sibling's blocks as pinned kept all 10 (the horizon over-predicted
-    # so on tight x4, bench/results/kv_events_r10.md).
-    fleet = Fleet(45)
-    prompt = chain(10, 100)
-    first = fleet.route(prompt, 0)
-    fleet.report(0, stored(*prompt))
-    assert fleet.matcher.outcome(first) is not None
-    fleet.route(prompt + chain(2, 700), 0)  # queued
-    fleet.route(chain(5, 500), 0)  # queued
-    assert fleet.reach(prompt + chain(4, 900)) == {0: 0, 1: 0}
-    # Once the sibling is admitted (its blocks stored) it pins the prompt: nothing evicts it.
-    fleet.report(0, stored(700, 701))
-    assert fleet.reach(prompt + chain(4, 900)) == {0: 10, 1: 0}
-
-
 def test_an_admitted_request_no_longer_counts_in_the_queue() -> None:
     fleet = served_then_queued(45, 5)
     fleet.report(0, stored(*chain(5, 500)))  # admitted: it allocated (the replica evicts, too)
@@ -146,12 +126,8 @@ def test_an_unanswered_decision_is_released_when_its_id_is_reused() -> None:
     decision = object()
     matcher.specific_matches(PrefixIndex(100), [1, 2, 3], [1, 2, 3], [0])
     matcher.routed(decision, 0)
-    # Pinned once admitted (its last block is cached: the next decision's horizon sees it).
-    assert not view.pins and list(view.freed) == [1, 2, 3]
-    matcher.specific_matches(PrefixIndex(100), [1, 2, 3], [1, 2, 3], [0])
     assert view.pins == {1: 1, 2: 1, 3: 1} and not view.freed
     matcher.routed(decision, 0)  # the same id again: the first request is over
-    matcher.specific_matches(PrefixIndex(100), [1, 2, 3], [1, 2, 3], [0])
     assert view.pins == {1: 1, 2: 1, 3: 1} and len(view.held) == 1
     matcher.outcome(decision)
     assert view.pins == {} and list(view.freed) == [3, 2, 1]
@@ -195,33 +171,3 @@ def test_the_output_mean_follows_the_last_answers() -> None:
     for _ in range(OUTPUT_WINDOW):
         matcher.observe_output(300)
     assert 220 < matcher.output_tokens < 300
-
-
-def test_admitted_requests_reserve_the_running_requests_longer_outputs() -> None:
-    # Answers of 100 and 300 tokens: mean 200, but a request found running is drawn in
-    # proportion to how long it runs: E[L^2] / E[L] = 250 tokens. Waiting requests reserve
-    # ceil((200 + 8) / 16) = 13 blocks (their output and, on average, half a partial prompt
-    # block), the admitted one ceil((250 + 8) / 16) = 17. In 48 blocks with 15 cached, the
-    # queued request's 5 + 13 then exceed the 16 free by 2: the freed prompt loses its last 2
-    # blocks. Reserving the mean for the admitted request too (13) left 20 free: nothing evicted.
-    fleet = Fleet(48)
-    fleet.matcher.observe_output(100)
-    fleet.matcher.observe_output(300)
-    assert fleet.matcher.output_tokens == 200.0
-    assert fleet.matcher.running_output_tokens == 250.0
-    first = chain(10, 100)
-    done = fleet.route(first, 0)
-    fleet.report(0, stored(*first))
-    assert fleet.matcher.outcome(done) is not None  # answered: its blocks are freed
-    fleet.route(chain(5, 500), 0)
-    fleet.report(0, stored(*chain(5, 500)))  # admitted
-    fleet.route(chain(5, 600), 0)  # waiting
-    assert fleet.reach(first + chain(4, 900)) == {0: 8, 1: 0}
-
-
-def test_the_running_output_is_the_mean_when_answers_are_alike() -> None:
-    matcher = PreciseMatcher({}, clock=lambda: 0.0, block_size=lambda: BS)
-    assert matcher.running_output_tokens == EXPECTED_OUTPUT_TOKENS  # before any answer
-    for _ in range(10):
-        matcher.observe_output(160)
-    assert matcher.running_output_tokens == 160.0
