@@ -1119,6 +1119,8 @@ def configs(args: argparse.Namespace) -> tuple[list[Workload], list[int]]:
     unknown = [x for x in names if x not in WORKLOADS]
     if unknown or not names:
         raise ValueError(f"unknown workload(s) {unknown}; known: {', '.join(WORKLOADS)}")
+    if args.max_inflight is not None and args.max_inflight < 1:
+        raise ValueError("--max-inflight must be >= 1")
     chosen: list[Workload] = []
     for name in names:
         base = WORKLOADS[name]
@@ -1137,8 +1139,6 @@ def configs(args: argparse.Namespace) -> tuple[list[Workload], list[int]]:
         elif args.groups:
             wcfg = dataclasses.replace(wcfg, groups=args.groups)
         if args.max_inflight is not None:
-            if args.max_inflight < 1:
-                raise ValueError("--max-inflight must be >= 1")
             wcfg = dataclasses.replace(wcfg, max_inflight=args.max_inflight)
         wcfg = dataclasses.replace(wcfg, seed=args.seed)
         if args.time_scale:
