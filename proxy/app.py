@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from proxy.control import ControlPlane, Reply
 from proxy.core import native
 from proxy.core.extract import Tokenizer
-from proxy.core.fleet import Fleet, Status
+from proxy.core.fleet import Fleet, Replica, Status
 from proxy.core.hashing import make_hasher
 from proxy.core.policy import make_policy
 from proxy.core.prefix_index import PrefixIndex
@@ -37,6 +37,7 @@ from proxy.hotpath import DataPath, ProxyApp, parse_json
 from proxy.membership import Membership, describe
 from proxy.metrics import Metrics
 from proxy.probes import Probes
+from proxy.reconciler import wait_for_replica
 from proxy.relay import make_relay
 from proxy.security.adapter_roots import AdapterRoots
 from proxy.security.guard import Guard, SecurityMiddleware
@@ -143,8 +144,21 @@ def build_runtime(settings: Settings, transport: httpx.AsyncBaseTransport | None
     rt_holder: dict[str, Runtime] = {}
     relay = make_relay(settings, upstream, tls_verify(settings), transport is not None)
     guard = Guard.from_settings(settings)
+    changes = control.reconciler.changes
+    clock = control.clock
+
+    async def wait_for(model: str) -> list[Replica]:
+        return await wait_for_replica(fleet, changes, model, settings.adapter_wait_s, clock)
+
     data = DataPlane(
-        fleet, router, relay, metrics, control.eject, lambda: rt_holder["rt"].routing_error, guard
+        fleet,
+        router,
+        relay,
+        metrics,
+        control.eject,
+        lambda: rt_holder["rt"].routing_error,
+        guard,
+        wait_for,
     )
     rt = Runtime(
         settings,
@@ -291,7 +305,8 @@ def _error_handlers(app: FastAPI, rt: Runtime, echo_secrets: tuple[str, ...]) ->
     @app.exception_handler(ProxyError)
     async def proxy_error(request: Request, exc: ProxyError) -> JSONResponse:
         rt.metrics.count_request(_route_of(request), "none", exc.status_code)
-        return JSONResponse(redact(exc.to_body(), echo_secrets), exc.status_code)
+        headers = {"retry-after": str(exc.retry_after)} if exc.retry_after is not None else None
+        return JSONResponse(redact(exc.to_body(), echo_secrets), exc.status_code, headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -335,10 +350,12 @@ def _data_routes(app: FastAPI, data_path: DataPath) -> None:
 
 def _probe_routes(app: FastAPI, rt: Runtime) -> None:
     @app.get("/health")
-    async def health() -> JSONResponse:
+    async def health(strict: bool = False) -> JSONResponse:
+        """200 while the fleet can serve (TRL and readiness probes); ``?strict=true``: 200 only
+        when every replica is ready in the desired state (docs/reliability-publish.md)."""
         if rt.shutdown.draining:
             return JSONResponse({"status": "shutting down"}, 503)
-        status, body = await rt.probes.health()
+        status, body = await rt.probes.health(strict)
         return JSONResponse(body, status)
 
     @app.get("/livez")

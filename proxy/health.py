@@ -172,6 +172,7 @@ class HealthMonitor:
         if replica.generation != generation:
             return False
         self.fleet.record_models(replica.index, base, max_len, adapters, paused)
+        self.control.reconciler.changes.notify()
         return True
 
     async def scrape(self, replica: Replica) -> None:
