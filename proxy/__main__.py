@@ -1,4 +1,6 @@
-"""``rollout-proxy`` / ``python -m proxy``: settings -> app -> server (proxy/server.py)."""
+"""``rollout-proxy`` / ``python -m proxy``: settings -> app -> server (proxy/server.py).
+
+``python -m proxy status --url URL [--watch]`` prints the fleet instead (proxy/status.py)."""
 
 from __future__ import annotations
 
@@ -17,8 +19,13 @@ log = logging.getLogger("rollout_proxy")
 
 
 def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["status"]:
+        from proxy.status import main as status
+
+        sys.exit(status(args[1:]))
     try:
-        settings = CliApp.run(Settings, cli_args=sys.argv[1:] if argv is None else argv)
+        settings = CliApp.run(Settings, cli_args=args)
     except ValidationError as exc:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}" for e in exc.errors()

@@ -524,5 +524,20 @@ def fleet_snapshot(rt: Runtime) -> dict[str, Any]:
             "index_blocks": len(rt.router.index),
             "error": rt.routing_error,
         },
-        "replicas": [describe(r) for r in rt.fleet.replicas],
+        "replicas": [_replica_view(rt.fleet, r) for r in rt.fleet.replicas],
     }
+
+
+def _replica_view(fleet: Fleet, replica: Replica) -> dict[str, Any]:
+    """One replica in /admin/fleet (what ``python -m proxy status`` shows): its description,
+    what it is waiting for, the desired adapters it lacks and the ones it holds beyond them,
+    the recent prefix-cache hit rate and, where the fleet records one, its weight version."""
+    view = describe(replica)
+    plan = fleet.plan(replica)
+    view["waiting_for"] = fleet.waiting_for(replica)
+    view["missing"] = sorted(plan.load)
+    view["extra"] = sorted(n for n in plan.unload if n not in plan.load)
+    view["serving"] = fleet.serves_anything(replica)
+    view["hit_rate"] = replica.hit_rate
+    view["weight_version"] = getattr(replica, "weight_version", None)
+    return view

@@ -71,6 +71,7 @@ class SimReplica:
                 w.set_exception(httpx.RemoteProtocolError("connection reset by peer"))
         if self._resumed is not None and not self._resumed.done():
             self._resumed.set_exception(httpx.RemoteProtocolError("connection reset by peer"))
+            self._resumed.exception()  # retrieved: held requests may all have timed out already
         self._resumed = None
         self.adapters.clear()
         self.paused = False

@@ -85,6 +85,10 @@ class Replica:
     generation: int = 0
     # Why the last reconciliation left it short of the desired state (None when it is not).
     not_reconciled: str | None = None
+    # vLLM's prefix-cache counters (tokens queried, hit) at the last scrape, and the share hit
+    # between the last two scrapes (None: unknown, e.g. no traffic or counters reset).
+    cache_counters: tuple[float, float] | None = None
+    hit_rate: float | None = None
 
     @property
     def in_service(self) -> bool:
@@ -242,9 +246,7 @@ class Fleet:
             return False
         if any(self.can_serve(r, model) for r in self.replicas):
             return False
-        return any(
-            r.status not in (Status.REMOVED, Status.DRAINING) for r in self.replicas
-        )
+        return any(r.status not in (Status.REMOVED, Status.DRAINING) for r in self.replicas)
 
     def waiting_for(self, replica: Replica) -> str | None:
         """What keeps ``replica`` from READY and in the desired state, in words (None: nothing).
@@ -327,6 +329,19 @@ class Fleet:
         if replica.status in (Status.PENDING, Status.EJECTED):
             replica.status = Status.RECONCILING
             replica.needs_reconcile = True
+
+    def record_cache(self, index: int, queries: float, hits: float) -> None:
+        """A scrape's cumulative prefix-cache counters: the recent hit rate is the share of
+        tokens hit since the previous scrape. Counters that went down (a restart) or a hit
+        count above the queries are no rate (unknown) until the next scrape."""
+        replica = self.replicas[index]
+        previous, replica.cache_counters = replica.cache_counters, (queries, hits)
+        replica.hit_rate = None
+        if previous is None:
+            return
+        asked, hit = queries - previous[0], hits - previous[1]
+        if asked > 0 and 0 <= hit <= asked:
+            replica.hit_rate = hit / asked
 
     def plan(self, replica: Replica) -> ReconcilePlan:
         load = {
