@@ -87,10 +87,7 @@ def bounds(field: FieldInfo) -> str:
 def default_text(field: FieldInfo) -> str:
     if field.is_required():
         return "(required)"
-    if field.default_factory is not None:
-        value = field.default_factory()  # type: ignore[call-arg]
-    else:
-        value = field.default
+    value = field.get_default(call_default_factory=True)
     if value is None or value == []:
         return "unset"
     if isinstance(value, bool):
