@@ -24,7 +24,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # The Rust routers live in their own venv so their pinned deps never touch the project's.
 BENCH_VENV = Path(os.environ.get("BENCH_VENV", REPO / ".venv-bench"))
 

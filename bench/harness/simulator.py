@@ -31,8 +31,8 @@ Extras for the benchmark (not vLLM): ``GET /sim/stats`` (busy time, hit tokens, 
 timings), ``POST /sim/reset`` (zero the counters, empty the cache), and ``prompt`` may also be a
 string of space-separated token ids, for routers that only forward text prompts.
 
-Run ``python -m bench.simulator --replicas 4`` to serve four replicas on free ports of 127.0.0.1;
-the first line on stdout is ``{"ports": [...]}``.
+Run ``python -m bench.harness.simulator --replicas 4`` to serve four replicas on free ports of
+127.0.0.1; the first line on stdout is ``{"ports": [...]}``.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class SimConfig:
     # Qwen2.5 vocabulary size and its <|endoftext|> id, for plausible output ids.
     vocab_size: int = 151_936
     eos_token_id: int = 151_643
-    # Publish KV-cache events the way vLLM does (bench/kv_events_publisher.py; hashes become
+    # Publish KV-cache events the way vLLM does (bench/harness/kv_events_publisher.py; hashes become
     # vLLM's exact sha256 keys so the proxy can match them). Off: the events cost CPU.
     kv_events: bool = False
 
@@ -1140,7 +1140,7 @@ async def serve_fleet(count: int, config: SimConfig, host: str = "127.0.0.1") ->
     for i in range(count):
         replica = Replica(config, clock, index=i)
         if config.kv_events:
-            from bench.kv_events_publisher import publish_events
+            from bench.harness.kv_events_publisher import publish_events
 
             publishers.append(publish_events(replica.engine, config.block_size, host))
         app = create_app(replica)
@@ -1174,7 +1174,7 @@ async def serve_fleet(count: int, config: SimConfig, host: str = "127.0.0.1") ->
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.simulator", description="Serve simulated vLLM replicas."
+        prog="python -m bench.harness.simulator", description="Serve simulated vLLM replicas."
     )
     parser.add_argument("--replicas", type=int, default=2, help="number of replicas (default 2)")
     parser.add_argument("--host", default="127.0.0.1")

@@ -33,7 +33,7 @@ from typing import Any, Literal
 import aiohttp
 import orjson
 
-from bench.simulator import SimConfig, completion_length
+from bench.harness.simulator import SimConfig, completion_length
 
 PromptFormat = Literal["ids", "text"]
 

@@ -1,6 +1,6 @@
 """CPU cost of precise routing (PROXY_KV_EVENTS), per event and per request, and its memory.
 
-    python -m bench.run_kv_events_micro            # prints a markdown table
+    python -m bench.runners.run_kv_events_micro            # prints a markdown table
 
 Per event: decoding one scheduler step's batch (msgpack, and msgspec's typed decoder when
 installed) and applying it to a replica's view, the work the subscriber does per message,
@@ -389,7 +389,7 @@ def memo_bytes_per_block(n: int = 65_536) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     argparse.ArgumentParser(
-        prog="python -m bench.run_kv_events_micro", description=__doc__
+        prog="python -m bench.runners.run_kv_events_micro", description=__doc__
     ).parse_args(argv)
     rng = random.Random(0)
     rows = view_loop_costs(rng)

@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.procs import REPO
-from bench.simulator import Replica, SimClock, SimConfig, create_app
+from bench.harness.procs import REPO
+from bench.harness.simulator import Replica, SimClock, SimConfig, create_app
 
 BASE = "Qwen/Qwen2.5-Math-1.5B"
 # 1 simulated second = 2 ms real: a 600-token completion takes ~5 ms.
