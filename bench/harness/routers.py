@@ -41,8 +41,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from bench.harness.procs import find_tool, free_port
+from bench.harness.procs import find_tool
 from bench.harness.workload import PromptFormat
+from fakes.net import free_port
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.harness.procs import find_tool, free_port, managed, wait_http
+from bench.harness.procs import find_tool, managed, wait_http
 from bench.runners import run_overhead as ro
+from fakes.net import free_port
 
 READS = ("read", "recvfrom")
 WRITES = ("write", "writev", "sendto")

@@ -23,8 +23,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.analysis.report import table
-from bench.harness.procs import REPO, find_tool, free_port, managed, wait_http
+from bench.harness.procs import REPO, find_tool, managed, wait_http
 from bench.runners.run_overhead import BODIES, WRK_LUA, backend_conf, bodies
+from fakes.net import free_port
 
 DEFAULT_OUT = REPO / "bench" / "results"
 # Text above this line in an existing report is kept when the profile is re-run (the per-request

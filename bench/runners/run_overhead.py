@@ -51,12 +51,12 @@ from bench.harness.procs import (
     REPO,
     ManagedProcess,
     find_tool,
-    free_port,
     machine_description,
     managed,
     wait_http,
 )
 from bench.harness.routers import rust_router_argv, trees
+from fakes.net import free_port
 
 DEFAULT_OUT = REPO / "bench" / "results"
 MODEL = "Qwen/Qwen2.5-Math-1.5B"

@@ -41,7 +41,7 @@ from bench.analysis.restart import add_restart_args, restart_after, run_with_res
 from bench.analysis.routing_memory import memory_section, memory_summary, placement_classes
 from bench.harness.foreign import add_foreign_args, make_driver
 from bench.harness.oracle import oracle_hits, throughput_ceiling
-from bench.harness.procs import REPO, ManagedProcess, free_port, machine_description, managed
+from bench.harness.procs import REPO, ManagedProcess, machine_description, managed
 from bench.harness.routers import ROUTERS, RouterSpec, select
 from bench.harness.simulator import SimConfig
 from bench.harness.workload import (
@@ -58,6 +58,7 @@ from bench.harness.workload import (
     plan_summary,
     working_set_blocks,
 )
+from fakes.net import free_port
 
 DEFAULT_OUT = REPO / "bench" / "results"
 PROBE_ADAPTER = "bench-control-probe"

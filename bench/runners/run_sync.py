@@ -26,7 +26,8 @@ from typing import Any
 
 import httpx
 
-from bench.harness.procs import free_port, machine_description, managed, wait_http
+from bench.harness.procs import machine_description, managed, wait_http
+from fakes.net import free_port
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
