@@ -14,8 +14,8 @@ With ``--restart-at F``, once a share F of the plan's requests have been answere
 router process (the same command, a new port) is started and waited for until it routes; every
 later request and control call goes to it, and the first one is then stopped (SIGTERM: it
 finishes what it holds). Nothing fails or is retried; the restart only wipes the router's state.
-The new process takes a few real seconds to start and route (2.9-4.9 s measured on the shared
-2-core machine), so the switch comes later than F: the requests after it are counted from the
+The new process takes a few real seconds to start and route (2.9-4.9 s on the shared 2-core
+machine), so the switch comes later than F: the requests after it are counted from the
 switch, whose time each run writes to ``restart-<workload>-<router>-<n>.json`` next to its dump.
 
     python -m bench.analysis.restart OUT/tmp/logs

@@ -79,7 +79,7 @@ class _Routed:
     pack of the prompt, orjson of the rest, ``Router.route`` with the default cost policy over
     the in-flight counts, and the completion learned, as the proxy does per request; nothing of
     its front, guard, limits, metrics, logs or client. The distance from ``floor-min`` is what
-    routing costs under load; from the proxy, what everything else does (issue 12)."""
+    routing costs under load; from the proxy, what everything else does."""
 
     def __init__(self, backends: Sequence[Backend]) -> None:
         from proxy.core import native

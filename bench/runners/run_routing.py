@@ -77,7 +77,7 @@ PROBE_INTERVAL_SIM_S = 60.0
 
 @dataclass
 class ControlProbe:
-    """What a router does with TRL's control calls, measured on the replicas behind it."""
+    """What a router does with TRL's control calls, as the replicas behind it see them."""
 
     load_status: int = 0
     load_replicas: int = 0

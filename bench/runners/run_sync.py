@@ -7,7 +7,7 @@ that times each sync the way TRL's trainer experiences it (sequential calls). Pr
 syncs alternate, one after the other in the same run, so both see the same machine load.
 
 The direct broadcast is what a trainer could do without a proxy: each call sent to the 8
-replicas in parallel, waiting for all. The proxy's target (issue 11): no more than direct + 5 ms.
+replicas in parallel, waiting for all. The proxy's target: no more than direct + 5 ms.
 
     python -m bench.runners.run_sync --replicas 8 --syncs 40
 writes bench/results/sync.json and sync.md.
