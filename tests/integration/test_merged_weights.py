@@ -37,6 +37,11 @@ from typing import Any
 import httpx
 import pytest
 
+from proxy.app import create_app
+from proxy.settings import Settings
+from tests.conftest import FAST
+from tests.support.servers import ServerThread, free_port
+
 torch = pytest.importorskip("torch")
 pytest.importorskip("trl")
 
@@ -45,10 +50,6 @@ with warnings.catch_warnings():
     from trl.experimental.async_grpo.async_grpo_trainer import select_adapter_sync
     from trl.experimental.async_grpo.vllm_client import VLLMClient
 
-from proxy.app import create_app
-from proxy.settings import Settings
-from tests.conftest import FAST
-from tests.support.servers import ServerThread, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 GROUP_TIMEOUT = datetime.timedelta(seconds=60)
