@@ -37,10 +37,11 @@ from typing import Any
 import httpx
 import pytest
 
+from fakes.net import free_port
 from proxy.app import create_app
 from proxy.settings import Settings
 from tests.conftest import FAST
-from tests.support.servers import ServerThread, free_port
+from tests.support.servers import ServerThread
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("trl")

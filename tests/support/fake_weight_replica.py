@@ -38,14 +38,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
+from fakes.vllm import error_body, models_payload
+
 BASE_MODEL = "tiny/merged-base"
 GROUP_TIMEOUT = datetime.timedelta(seconds=60)
 
 
 def _error(message: str, status: int) -> JSONResponse:
-    return JSONResponse(
-        {"error": {"message": message, "type": "Error", "param": None, "code": status}}, status
-    )
+    return JSONResponse(error_body(message, "Error", status), status)
 
 
 @dataclass
@@ -131,8 +131,7 @@ class WeightReplica:
             return JSONResponse({})
 
         async def models(request: Request) -> JSONResponse:
-            entry = {"id": BASE_MODEL, "object": "model", "root": BASE_MODEL, "parent": None}
-            return JSONResponse({"object": "list", "data": [{**entry, "max_model_len": 4096}]})
+            return JSONResponse(models_payload(BASE_MODEL, 4096, {}))
 
         async def server_info(request: Request) -> JSONResponse:
             config = {

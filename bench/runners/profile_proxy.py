@@ -1,8 +1,8 @@
 """Where the proxy's CPU goes per routed request: py-spy samples of rollout-proxy under wrk load
 in front of the fake nginx backends of ``run_overhead``.
 
-    python -m bench.profile_proxy                    # -> bench/results/overhead_profile.md
-    python -m bench.profile_proxy --env PROXY_LOG_LEVEL=warning --out /tmp/p
+    python -m bench.runners.profile_proxy                    # -> bench/results/overhead_profile.md
+    python -m bench.runners.profile_proxy --env PROXY_LOG_LEVEL=warning --out /tmp/p
 
 The collapsed stacks are kept in ``<out>/tmp/logs/overhead_profile.raw``. Needs nginx, wrk and
 py-spy (``.venv-bench/bin/pip install py-spy``). py-spy pauses the process to
@@ -22,9 +22,10 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.procs import REPO, find_tool, free_port, managed, wait_http
-from bench.report import table
-from bench.run_overhead import BODIES, WRK_LUA, backend_conf, bodies
+from bench.analysis.report import table
+from bench.harness.procs import REPO, find_tool, managed, wait_http
+from bench.runners.run_overhead import BODIES, WRK_LUA, backend_conf, bodies
+from fakes.net import free_port
 
 DEFAULT_OUT = REPO / "bench" / "results"
 # Text above this line in an existing report is kept when the profile is re-run (the per-request
@@ -92,7 +93,7 @@ def buckets(text: str) -> tuple[Counter[str], int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.profile_proxy", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.runners.profile_proxy", description=__doc__)
     p.add_argument("--duration", type=int, default=15, help="seconds sampled (15)")
     p.add_argument("--env", action="append", default=[], help="KEY=VALUE for the proxy")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -174,7 +175,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = wrk_out.strip().splitlines()[-1] if wrk_out.strip() else ""
     md = ["# Where rollout-proxy's CPU goes (py-spy, wrk -c64)\n\n"]
     md.append(
-        f"`python -m bench.profile_proxy {' '.join(sys.argv[1:] if argv is None else argv)}`; "
+        f"`python -m bench.runners.profile_proxy "
+        f"{' '.join(sys.argv[1:] if argv is None else argv)}`; "
         f"proxy env {env or '{}'}; workload `{args.body}`; {total} samples at 100 Hz over "
         f"{args.duration} s of load "
         f"(idle event-loop waits excluded). wrk: `{summary}`.\n\n"

@@ -33,7 +33,7 @@ from typing import Any, Literal
 import aiohttp
 import orjson
 
-from bench.simulator import SimConfig, completion_length
+from bench.harness.simulator import SimConfig, completion_length
 
 PromptFormat = Literal["ids", "text"]
 
@@ -608,7 +608,7 @@ WORKLOADS: dict[str, Workload] = {
             "them with 1-2 tool turns: decode-bound",
             # 64 prompts x 8 = 512 rollouts (~750 requests, one sync at 256 rollouts).
             WorkloadConfig(groups=64),
-            # time_scale 0.5, as agentic: measured on the quiet machine (grpo x8, 2026-12-01),
+            # time_scale 0.5, as agentic: on the quiet 2-core machine (grpo x8)
             # a request through rollout-proxy spends 18 ms real outside the simulated engine
             # (vllm-router 12, sglang-router 10); 0.2 made that 90 ms simulated against a 2.4 s
             # p50 (3.7%), 0.5 makes it 36 ms (1.5%), and a grpo run takes ~25 s instead of ~12.

@@ -1,8 +1,8 @@
 """Proxy overhead: requests/s, added latency and CPU per request of each router in front of fast
 fake backends, all in one run, with ratios to vllm-router's.
 
-    python -m bench.run_overhead                  # -> bench/results/overhead.md
-    python -m bench.run_overhead --smoke --out /tmp/o
+    python -m bench.runners.run_overhead                  # -> bench/results/overhead.md
+    python -m bench.runners.run_overhead --smoke --out /tmp/o
 
 Backends: one nginx serving two fake vLLM replicas (fixed /v1/completions answer, /health,
 /v1/models, /server_info, /metrics) on 127.0.0.1. Load: wrk (its own process) posting TRL-shaped
@@ -21,8 +21,10 @@ own transport on request; ``proxy-python``: PROXY_NATIVE=off, so that proxy-pyth
 is what the C extension saves; ``proxy-rr``: round-robin policy, so that proxy minus proxy-rr is
 what routing costs), vllm-router, sglang-router, nginx as a pass-through proxy (the floor
 for any proxy process), and bare uvicorn pass-throughs with the lean client and with aiohttp (the
-floors for a Python one, bench/passthrough.py). ``proxy@LABEL``: the default proxy as another
-checkout runs it (``BENCH_TREES=LABEL=PATH``, bench/routers.py; PATH's own ``.venv``), so that a
+floors for a Python one, bench/harness/passthrough.py). ``proxy@LABEL``: the default proxy as
+another
+checkout runs it (``BENCH_TREES=LABEL=PATH``, bench/harness/routers.py; PATH's own ``.venv``), so
+that a
 change is measured against its base side by side, in the same interleaved rounds.
 """
 
@@ -44,17 +46,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.procs import (
+from bench.analysis.report import fmt, table
+from bench.harness.procs import (
     REPO,
     ManagedProcess,
     find_tool,
-    free_port,
     machine_description,
     managed,
     wait_http,
 )
-from bench.report import fmt, table
-from bench.routers import rust_router_argv, trees
+from bench.harness.routers import rust_router_argv, trees
+from fakes.net import free_port
 
 DEFAULT_OUT = REPO / "bench" / "results"
 MODEL = "Qwen/Qwen2.5-Math-1.5B"
@@ -182,7 +184,8 @@ TARGETS: dict[str, Target] = {
         ),
         Target(
             "floor-min",
-            "bench/minrelay.py: uvloop + httptools on both sides and nothing else (no timeouts, "
+            "bench/harness/minrelay.py: uvloop + httptools on both sides and nothing else (no "
+            "timeouts, "
             "no validation): the least a Python relay costs here",
             "py-floor",
             args=("--front", "min"),
@@ -527,7 +530,7 @@ def _launch(
         argv = [
             sys.executable,
             "-m",
-            "bench.passthrough",
+            "bench.harness.passthrough",
             "--port",
             str(port),
             "--backends",
@@ -838,7 +841,7 @@ def measure_all(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.run_overhead", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.runners.run_overhead", description=__doc__)
     p.add_argument("--smoke", action="store_true", help="1-second runs, seconds in all")
     p.add_argument("--targets", default=",".join(DEFAULT_TARGETS), help=f"from {list(TARGETS)}")
     p.add_argument("--bodies", default=",".join(BODIES), help=f"from {list(BODIES)}")
@@ -871,7 +874,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     log_dir = args.out / "tmp" / "logs"  # bench/results/tmp/ is git-ignored
     rows = measure_all(names, kinds, wrk, nginx, log_dir, duration, latency, repeats)
-    command = "python -m bench.run_overhead " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m bench.runners.run_overhead " + " ".join(
+        sys.argv[1:] if argv is None else argv
+    )
     path = write_report(rows, args.out, command.strip(), duration, latency, repeats)
     print(f"wrote {path}")
     return 0 if any(r.status == "ok" for r in rows) else 1

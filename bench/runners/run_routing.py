@@ -2,11 +2,11 @@
 replicas; reports what users feel first (fleet throughput, tail latency, what weight syncs cost),
 then prefix-cache hits against an oracle and load imbalance, for each workload and fleet size.
 
-    python -m bench.run_routing                     # grpo, 2,4,8,16 replicas -> bench/results/
-    python -m bench.run_routing --workload grpo,agentic,tight \\
+    python -m bench.runners.run_routing            # grpo, 2,4,8,16 replicas -> bench/results/
+    python -m bench.runners.run_routing --workload grpo,agentic,tight \\
         --routers proxy,proxy-prefix,proxy-rr,proxy-ll,vllm-router,sglang-router,proxy-events \\
         --events-workloads tight                    # the full matrix, ~30 min quiet
-    python -m bench.run_routing --smoke --out /tmp/r   # seconds: 2 replicas, tiny workload
+    python -m bench.runners.run_routing --smoke --out /tmp/r   # seconds: 2 replicas, tiny workload
 
 Workloads (``WORKLOADS``): ``grpo`` (short math prompts, long answers: decode-bound), ``agentic``
 (multi-turn tool use, contexts of several thousand tokens: prefill matters), ``tight`` (the agentic
@@ -35,16 +35,16 @@ from typing import Any
 
 import aiohttp
 
-from bench.foreign import add_foreign_args, make_driver
-from bench.kv_events_report import kv_events_section, kv_events_summary
-from bench.oracle import oracle_hits, throughput_ceiling
-from bench.procs import REPO, ManagedProcess, free_port, machine_description, managed
-from bench.report import fmt, pct, percentile, table
-from bench.restart import add_restart_args, restart_after, run_with_restart
-from bench.routers import ROUTERS, RouterSpec, select
-from bench.routing_memory import memory_section, memory_summary, placement_classes
-from bench.simulator import SimConfig
-from bench.workload import (
+from bench.analysis.kv_events_report import kv_events_section, kv_events_summary
+from bench.analysis.report import fmt, pct, percentile, table
+from bench.analysis.restart import add_restart_args, restart_after, run_with_restart
+from bench.analysis.routing_memory import memory_section, memory_summary, placement_classes
+from bench.harness.foreign import add_foreign_args, make_driver
+from bench.harness.oracle import oracle_hits, throughput_ceiling
+from bench.harness.procs import REPO, ManagedProcess, machine_description, managed
+from bench.harness.routers import ROUTERS, RouterSpec, select
+from bench.harness.simulator import SimConfig
+from bench.harness.workload import (
     WORKLOADS,
     ControlPlane,
     PromptFormat,
@@ -58,6 +58,7 @@ from bench.workload import (
     plan_summary,
     working_set_blocks,
 )
+from fakes.net import free_port
 
 DEFAULT_OUT = REPO / "bench" / "results"
 PROBE_ADAPTER = "bench-control-probe"
@@ -70,13 +71,13 @@ TARGET_AGENTIC_VS_LL = 1.2  # agentic: proxy throughput >= 1.2 x least_loaded's
 # The routers the default proxy must match or beat (the issue's "best of the others").
 COMPARED = ("vllm-router", "sglang-router", "proxy-ll", "proxy-rr")
 # Every router probes its replicas this often, in simulated seconds: the Rust routers' default
-# --health-check-interval-secs (see bench/routers.py for why one period for all).
+# --health-check-interval-secs (see bench/harness/routers.py for why one period for all).
 PROBE_INTERVAL_SIM_S = 60.0
 
 
 @dataclass
 class ControlProbe:
-    """What a router does with TRL's control calls, measured on the replicas behind it."""
+    """What a router does with TRL's control calls, as the replicas behind it see them."""
 
     load_status: int = 0
     load_replicas: int = 0
@@ -172,7 +173,7 @@ class RunResult:
     kv_events: dict[str, float] = field(default_factory=dict)  # proxy-events: its event views
     per_replica: list[dict[str, Any]] = field(default_factory=list)
     # The replicas' KV memory figures and where requests landed relative to their prefix
-    # (bench/routing_memory.py).
+    # (bench/analysis/routing_memory.py).
     memory: dict[str, float] = field(default_factory=dict)
     placement: dict[str, dict[str, float]] = field(default_factory=dict)
 
@@ -540,7 +541,7 @@ async def run_one(
     sim_argv = [
         sys.executable,
         "-m",
-        "bench.simulator",
+        "bench.harness.simulator",
         "--replicas",
         str(n),
         "--config",
@@ -584,7 +585,7 @@ async def run_one(
             cpu_before = (router.cpu_seconds(), fleet.cpu_seconds(), time.process_time())
             old_router = router
 
-            async def restart() -> str:  # --restart-at (bench/restart.py)
+            async def restart() -> str:  # --restart-at (bench/analysis/restart.py)
                 nonlocal router, router_url, cpu_before
                 router, router_url = start_router(f"router-{tag}-restarted.log")
                 await _wait_ready(
@@ -832,7 +833,7 @@ def write_report(
         f"Measured {measured_at} with `{command}` "
         f"({wall_s:.0f} s wall), one run per cell, {probes}. Machine: {machine['nproc']} cores "
         f"({machine['cpu']}), {machine['memory']}, Python {machine['python']}, shared with other "
-        "jobs. Replicas are simulated (bench/simulator.py); figures are simulated seconds "
+        "jobs. Replicas are simulated (bench/harness/simulator.py); figures are simulated seconds "
         "unless marked real. `proxy` is rollout-proxy with its default policy "
         "(`cost`); `proxy-prefix`, `proxy-rr`, `proxy-ll` the same process with "
         "`PROXY_POLICY=prefix|round_robin|least_loaded`.\n"
@@ -957,7 +958,8 @@ def _setup_line(w: Workload) -> str:
     wcfg, sim = w.workload, w.sim
     summary = plan_summary(build_plan(wcfg))
     return (
-        f"- `{w.name}` (bench/workload.py): {summary['groups']} prompts x G={wcfg.group_size} = "
+        f"- `{w.name}` (bench/harness/workload.py): {summary['groups']} prompts x "
+        f"G={wcfg.group_size} = "
         f"{summary['rollouts']} rollouts, {summary['planned_requests']} planned requests "
         f"({summary['multi_turn_rollouts']} multi-turn rollouts), {summary['versions']} adapter "
         f"versions (one per {wcfg.rollouts_per_version} rollouts, max_staleness "
@@ -984,7 +986,7 @@ DEFINITIONS = """
   perfect balance on the same requests: every replica prefills only what the oracle below
   could not hit and runs the same batch the whole time (TRL's rollouts in flight shared evenly,
   bounded by batch slots and by how many average requests its KV cache holds); syncs, ramp-up
-  and drain are left out, so no router reaches it (bench/oracle.py).
+  and drain are left out, so no router reaches it (bench/harness/oracle.py).
 - **p50 / p99**: client-observed request latency in simulated seconds (real / time_scale: it
   includes the router's and client's own real time, magnified likewise, and CPU contention on
   this shared machine). **replica p50 / p99**: arrival at the replica to last token, exact in
@@ -1062,7 +1064,7 @@ def _plot(results: Sequence[RunResult], workloads: Sequence[str], path: Path) ->
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.run_routing", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.runners.run_routing", description=__doc__)
     p.add_argument("--smoke", action="store_true", help="tiny workload, 2 replicas, seconds")
     p.add_argument(
         "--workload", default="grpo", help=f"comma-separated, from {', '.join(WORKLOADS)}"
@@ -1089,7 +1091,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=int,
         default=None,
         help="rollouts in flight, TRL's max_inflight_tasks (default: the workload's, "
-        "bench/workload.py; TRL's reference run keeps 128). A tight workload's caches stay its "
+        "bench/harness/workload.py; TRL's reference run keeps 128). A tight workload's caches stay "
+        "its "
         "share of the working set, which grows with it",
     )
     p.add_argument("--time-scale", type=float, default=None, help="real s per simulated s")
@@ -1098,7 +1101,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--probe-interval",
         default=str(PROBE_INTERVAL_SIM_S),
         help="every router's health-probe period in simulated s, or 'own' for each router's "
-        f"own default in real s (default {PROBE_INTERVAL_SIM_S:g}, see bench/routers.py)",
+        f"own default in real s (default {PROBE_INTERVAL_SIM_S:g}, see bench/harness/routers.py)",
     )
     p.add_argument("--startup-timeout", type=float, default=60.0)
     p.add_argument(
@@ -1197,7 +1200,9 @@ def rerender(
     results = [RunResult(**r) for r in raw["results"]]
     command = raw["command"]
     if "--report-from" not in command:
-        command += f"` (report rewritten by `python -m bench.run_routing --report-from {raw_path}`"
+        command += (
+            f"` (report rewritten by `python -m bench.runners.run_routing --report-from {raw_path}`"
+        )
         command += ", ceilings recomputed from the per-request dumps)"
     by_name = {w.name: w for w in workloads}
     logs = raw_path.parent / "tmp" / "logs"
@@ -1275,7 +1280,9 @@ async def amain(argv: Sequence[str] | None = None) -> int:
                     + (f"  [{r.reason[:160]}]" if r.reason else ""),
                     flush=True,
                 )
-    command = "python -m bench.run_routing " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m bench.runners.run_routing " + " ".join(
+        sys.argv[1:] if argv is None else argv
+    )
     path = write_report(
         results, workloads, args.out, command.strip(), time.monotonic() - started, interval
     )

@@ -3,7 +3,7 @@
 Two views, both router-independent (they read the simulated replicas and the client's trace,
 never a router's own bookkeeping), so every router in a cell is measured the same way:
 
-- :func:`memory_summary`: per run, from the simulator's counters (bench/simulator.py
+- :func:`memory_summary`: per run, from the simulator's counters (bench/harness/simulator.py
   ``/sim/stats``): mean KV usage (blocks held by running requests over capacity), the share of
   time a replica's queue waited for KV blocks with batch slots free, the mean queue, the mean
   running batch while busy, evictions per request, and the share of prefilled tokens that were
@@ -20,9 +20,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from bench.report import fmt, pct, table
-from bench.simulator import SimConfig
-from bench.workload import RequestRecord
+from bench.analysis.report import fmt, pct, table
+from bench.harness.simulator import SimConfig
+from bench.harness.workload import RequestRecord
 
 PLACEMENT_CLASSES = ("first-of-group", "with-group", "new-replica", "stayed", "moved")
 
@@ -140,7 +140,8 @@ def memory_section(results: Sequence[Any]) -> str:
     ] + [f"{c}: share, hits" for c in PLACEMENT_CLASSES]
     return (
         "\n## KV memory and placement\n\n"
-        "Per run, from the simulated replicas (bench/routing_memory.py): mean KV usage (blocks "
+        "Per run, from the simulated replicas (bench/analysis/routing_memory.py): mean KV usage "
+        "(blocks "
         "held by running requests / capacity), the share of time a replica's queue waited for "
         "free KV blocks with batch slots free, mean queue, mean running batch while busy, "
         "prefill's share of busy time, evictions per request, the share of prefilled tokens "

@@ -7,17 +7,18 @@ The events router (``proxy-events``) subscribes afresh and rebuilds each replica
 vLLM's replay socket (every buffered batch from sequence 0, see proxy/kv_events.py), so it
 should route the next turns as if nothing happened:
 
-    python -m bench.run_routing --workload tight --routers proxy,proxy-events --restart-at 0.5
+    python -m bench.runners.run_routing --workload tight --routers proxy,proxy-events \\
+        --restart-at 0.5
 
 With ``--restart-at F``, once a share F of the plan's requests have been answered, a second
 router process (the same command, a new port) is started and waited for until it routes; every
 later request and control call goes to it, and the first one is then stopped (SIGTERM: it
 finishes what it holds). Nothing fails or is retried; the restart only wipes the router's state.
-The new process takes a few real seconds to start and route (2.9-4.9 s measured on the shared
-2-core machine), so the switch comes later than F: the requests after it are counted from the
+The new process takes a few real seconds to start and route (2.9-4.9 s on the shared 2-core
+machine), so the switch comes later than F: the requests after it are counted from the
 switch, whose time each run writes to ``restart-<workload>-<router>-<n>.json`` next to its dump.
 
-    python -m bench.restart OUT/tmp/logs
+    python -m bench.analysis.restart OUT/tmp/logs
 
 prints, per run, the hits of the requests sent after the restart as a share of the oracle's.
 """
@@ -33,7 +34,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
-from bench.workload import Driver, RolloutSpec
+from bench.harness.workload import Driver, RolloutSpec
 
 
 def add_restart_args(parser: argparse.ArgumentParser) -> None:
@@ -42,7 +43,7 @@ def add_restart_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.0,
         help="restart the router once this share of the plan's requests were answered "
-        "(bench/restart.py; default 0: never)",
+        "(bench/analysis/restart.py; default 0: never)",
     )
 
 
@@ -129,7 +130,7 @@ def _ratio(rows: Sequence[dict[str, float]]) -> float:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m bench.restart",
+        prog="python -m bench.analysis.restart",
         description="hits after a mid-run router restart, per run of a --restart-at run",
     )
     p.add_argument("logs", type=Path, help="OUT/tmp/logs of a run_routing --restart-at run")

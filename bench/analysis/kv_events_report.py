@@ -2,8 +2,8 @@
 (batches, gaps, views live at the end) and how often its expected cached tokens equalled what
 the replica reported (``rollout_proxy_kv_prediction_*``), read from the proxy's /metrics.
 
-    python -m bench.kv_events_report OUT/routing.json
-    python -m bench.kv_events_report S0/routing.json S1/routing.json S2/routing.json
+    python -m bench.analysis.kv_events_report OUT/routing.json
+    python -m bench.analysis.kv_events_report S0/routing.json S1/routing.json S2/routing.json
 
 prints the side-by-side table of bench/results/kv_events.md from a run's routing.json, or, given
 several runs (seeds), each run's pair and the pooled means per fleet size."""
@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.report import pct, table
+from bench.analysis.report import pct, table
 
 _VIEW_COUNTERS = ("batches", "events", "gaps", "malformed", "dropped", "replay_failures")
 
@@ -187,7 +187,7 @@ def pooled(raws: Sequence[dict[str, Any]], workload: str = "tight") -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m bench.kv_events_report",
+        prog="python -m bench.analysis.kv_events_report",
         description="proxy vs proxy-events side by side, from a run_routing routing.json",
     )
     p.add_argument("routing_json", type=Path, nargs="+", help="several: pooled (seeds)")

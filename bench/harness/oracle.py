@@ -23,8 +23,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from bench.simulator import SimConfig, block_hashes
-from bench.workload import RequestRecord
+from bench.harness.simulator import SimConfig, block_hashes
+from bench.harness.workload import RequestRecord
 
 
 @dataclass(frozen=True)

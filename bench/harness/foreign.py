@@ -6,7 +6,8 @@ those prefixes are invisible to the index but not to the replicas' KV-cache even
 makes that happen on purpose, so ``proxy`` (index) and ``proxy-events`` (events) can be compared
 where the proxy's memory is wrong and the events are right:
 
-    python -m bench.run_routing --workload agentic --foreign-share 0.25 --routers proxy,proxy-events
+    python -m bench.runners.run_routing --workload agentic --foreign-share 0.25 \\
+        --routers proxy,proxy-events
 
 With ``--foreign-share F``, the first turn of every rollout of a share F of the groups (every
 round(1/F)-th group from group 0: the same groups for every router) is sent straight to one
@@ -14,7 +15,7 @@ replica, picked by group like a client that shards its work by prompt; the rollo
 go through the router as usual. Those continuations repeat the first turn's prompt and
 completion, so only a router that knows where the first turn ran can give them their prefix hit.
 
-    python -m bench.foreign --share 0.25 OUT/tmp/logs/requests-*.jsonl
+    python -m bench.harness.foreign --share 0.25 OUT/tmp/logs/requests-*.jsonl
 
 prints, per run, those first continuations' cached tokens as a share of the oracle's hits.
 """
@@ -31,7 +32,7 @@ from typing import Any
 
 import aiohttp
 
-from bench.workload import (
+from bench.harness.workload import (
     ControlPlane,
     Driver,
     PromptFormat,
@@ -47,7 +48,7 @@ def add_foreign_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.0,
         help="share of the groups whose first turns a second client sends straight to a "
-        "replica, bypassing the router (bench/foreign.py; default 0: none)",
+        "replica, bypassing the router (bench/harness/foreign.py; default 0: none)",
     )
 
 
@@ -116,8 +117,8 @@ def describe(share: float, groups: int) -> str:
 
 
 def bypassed_continuation_hits(dump: Path, share: float) -> tuple[int, float]:
-    """From a run's per-request dump (bench/run_routing.py writes one per run): how many first
-    continuations (turn 1) of the bypassed groups there were, and their cached tokens as a
+    """From a run's per-request dump (bench/runners/run_routing.py writes one per run): how many
+    first     continuations (turn 1) of the bypassed groups there were, and their cached tokens as a
     share of the oracle's hits on them -- the requests whose prefix only the replicas knew."""
     rows = [json.loads(line) for line in dump.read_text().splitlines()]
     rows = [r for r in rows if "rollout" in r]
@@ -130,7 +131,7 @@ def bypassed_continuation_hits(dump: Path, share: float) -> tuple[int, float]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m bench.foreign",
+        prog="python -m bench.harness.foreign",
         description="hits of the bypassed groups' first continuations, per run dump",
     )
     p.add_argument("--share", type=float, required=True, help="the run's --foreign-share")

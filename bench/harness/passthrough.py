@@ -3,16 +3,16 @@ backend (round robin) and relays status and body. No routing, no validation, no 
 uvicorn plus an upstream client alone cost per request on this machine, to read rollout-proxy's
 overhead against (run_overhead's ``floor`` and ``floor-aiohttp`` targets).
 
-    python -m bench.passthrough --port 8000 --backends http://127.0.0.1:8001,http://127.0.0.1:8002
-    python -m bench.passthrough --client aiohttp ...   # one shared aiohttp session instead
+    python -m bench.harness.passthrough --port 8000 --backends http://127.0.0.1:8001,http://127.0.0.1:8002
+    python -m bench.harness.passthrough --client aiohttp ...   # one shared aiohttp session instead
 
 ``--client lean`` (default) uses the proxy's own upstream client (proxy/pool.py), so the floor
 moves with it; ``aiohttp`` is the previous floor. ``--front protocol`` serves the POSTs the way
 rollout-proxy serves completions by default (proxy/front.py: from uvicorn's protocol object,
 no ASGI messages) with the lean client: the floor of the proxy's own architecture
 (run_overhead's ``floor-protocol``), so what rollout-proxy costs above it is its routing,
-validation and bookkeeping alone. ``--front min`` is bench/minrelay.py: the least a Python relay
-can do (``floor-min``), the yardstick for the front and client themselves.
+validation and bookkeeping alone. ``--front min`` is bench/harness/minrelay.py: the least a Python
+relay can do (``floor-min``), the yardstick for the front and client themselves.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ class RoundRobinPath:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.passthrough", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.harness.passthrough", description=__doc__)
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--backends", required=True, help="comma-separated base URLs")
     p.add_argument("--client", choices=("lean", "aiohttp"), default="lean")
@@ -137,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     settle_garbage_collector()
     if args.front in ("min", "min-routed"):
-        from bench.minrelay import run
+        from bench.harness.minrelay import run
 
         run(args.port, backends, routed=args.front == "min-routed")
         return 0

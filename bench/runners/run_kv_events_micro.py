@@ -1,6 +1,6 @@
 """CPU cost of precise routing (PROXY_KV_EVENTS), per event and per request, and its memory.
 
-    python -m bench.run_kv_events_micro            # prints a markdown table
+    python -m bench.runners.run_kv_events_micro            # prints a markdown table
 
 Per event: decoding one scheduler step's batch (msgpack, and msgspec's typed decoder when
 installed) and applying it to a replica's view, the work the subscriber does per message,
@@ -212,8 +212,8 @@ def request_costs(rng: random.Random, prompt_tokens: int) -> list[tuple[str, flo
 
 def exact_hash_costs(rng: random.Random, rounds: int = 3) -> list[tuple[str, float]]:
     """The exact vLLM hashes with the digests the memo lacks computed in C (PROXY_NATIVE,
-    _native.c's vllm_chain) and in Python (the reference: pickle + hashlib per block, as in
-    round 8; the memo's XXH3 prefix chains in C in both), on a
+    _native.c's vllm_chain) and in Python (the reference: pickle + hashlib per block; the
+    memo's XXH3 prefix chains in C in both), on a
     4,096-token adapter prompt: not seen before (memo off: every block hashed), remembered
     (a group's other rollouts: no block hashed), an agent's next turn (+664 new tokens: 41
     blocks hashed) and a 600-token completion recorded after it was routed (37 blocks).
@@ -228,7 +228,7 @@ def exact_hash_costs(rng: random.Random, rounds: int = 3) -> list[tuple[str, flo
     for native in (True, False):
         warm = VllmHasher(BLOCK, "sha256")
         cold = VllmHasher(BLOCK, "sha256", memo_blocks=0)
-        if not native:  # round 8: the memo's prefix chains in C, the digests in Python
+        if not native:  # the memo's prefix chains in C, the digests in Python
             warm._vllm_chain = cold._vllm_chain = None
         router = Router(warm, PrefixIndex(1 << 19), PrefixAffinity(8))
         setups[native] = (warm, cold, router, router.route(key, loads))
@@ -241,7 +241,7 @@ def exact_hash_costs(rng: random.Random, rounds: int = 3) -> list[tuple[str, flo
                 us = per_call_us(fn)
                 best[(name, native)] = min(best.get((name, native), us), us)
     order = sorted(best.items(), key=lambda x: (x[0][0], not x[0][1]))
-    return [(f"exact hashes, digests in {'C' if native else 'Python (round 8)'}: 4096-token "
+    return [(f"exact hashes, digests in {'C' if native else 'Python'}: 4096-token "
              f"prompt, {name}", us) for (name, native), us in order]  # fmt: skip
 
 
@@ -285,7 +285,7 @@ def view_loop_costs(rng: random.Random, rounds: int = 3) -> list[tuple[str, floa
     600-token output) and the horizon's walk (``doomed`` + ``held_prefix``). Interleaved, C then
     Python, ``rounds`` times; the best of each."""
     setups = {}
-    for native in ("C", "C, one call per event (round 8)", "Python"):
+    for native in ("C", "C, one call per event", "Python"):
         view = ReplicaView(use_native=native != "Python")
         if native != "C":
             view._loops = view._loops._replace(apply=_per_event_apply(view._loops))
@@ -338,8 +338,8 @@ def view_loop_costs(rng: random.Random, rounds: int = 3) -> list[tuple[str, floa
 
 
 def _per_event_apply(loops: Any) -> Callable[..., tuple[int, int]]:
-    """kv_view._apply's contract over ``loops``' one-event store / remove: what the view did
-    before its batch call (one store / remove call per event; with the C loops, round 8)."""
+    """kv_view._apply's contract over ``loops``' one-event store / remove: one store / remove
+    call per event (with the C loops), the alternative to the batch call."""
     store, remove = loops.store, loops.remove
 
     def apply(blocks: Any, pending: Any, freed: Any, pins: Any, tick: Any,
@@ -389,7 +389,7 @@ def memo_bytes_per_block(n: int = 65_536) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     argparse.ArgumentParser(
-        prog="python -m bench.run_kv_events_micro", description=__doc__
+        prog="python -m bench.runners.run_kv_events_micro", description=__doc__
     ).parse_args(argv)
     rng = random.Random(0)
     rows = view_loop_costs(rng)

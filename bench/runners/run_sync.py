@@ -1,15 +1,15 @@
 """TRL's weight sync (pause -> load -> resume -> unload) through the proxy vs a direct broadcast.
 
-Eight simulated replicas (``python -m bench.simulator``), the proxy in its own process with its
-health loop probing every ``--health-interval`` seconds (default 0.05 s: a probe round is always
+Eight simulated replicas (``python -m bench.harness.simulator``), the proxy in its own process with
+its health loop probing every ``--health-interval`` seconds (default 0.05 s: a probe round is always
 in flight, the worst case for a control call that must not wait behind probes), and one client
 that times each sync the way TRL's trainer experiences it (sequential calls). Proxy and direct
 syncs alternate, one after the other in the same run, so both see the same machine load.
 
 The direct broadcast is what a trainer could do without a proxy: each call sent to the 8
-replicas in parallel, waiting for all. The proxy's target (issue 11): no more than direct + 5 ms.
+replicas in parallel, waiting for all. The proxy's target: no more than direct + 5 ms.
 
-    python -m bench.run_sync --replicas 8 --syncs 40
+    python -m bench.runners.run_sync --replicas 8 --syncs 40
 writes bench/results/sync.json and sync.md.
 """
 
@@ -26,9 +26,10 @@ from typing import Any
 
 import httpx
 
-from bench.procs import free_port, machine_description, managed, wait_http
+from bench.harness.procs import machine_description, managed, wait_http
+from fakes.net import free_port
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 async def _sync(client: httpx.AsyncClient, bases: list[str], version: int) -> float:
@@ -81,7 +82,7 @@ async def _measure(proxy: str, replicas: list[str], syncs: int) -> dict[str, lis
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.run_sync", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench.runners.run_sync", description=__doc__)
     parser.add_argument("--replicas", type=int, default=8)
     parser.add_argument("--syncs", type=int, default=40, help="measured syncs per side")
     parser.add_argument("--health-interval", type=float, default=0.05)
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     logs = args.out / "tmp"  # process logs (ignored by git)
     with managed(
         "replicas",
-        [sys.executable, "-m", "bench.simulator", "--replicas", str(args.replicas)],
+        [sys.executable, "-m", "bench.harness.simulator", "--replicas", str(args.replicas)],
         logs / "sync_replicas.log",
         capture_stdout=True,
     ) as sim:
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     md = [
         "# Weight sync through the proxy vs a direct broadcast",
         "",
-        f"`python -m bench.run_sync --replicas {args.replicas} --syncs {args.syncs}`: "
+        f"`python -m bench.runners.run_sync --replicas {args.replicas} --syncs {args.syncs}`: "
         f"{args.replicas} simulated replicas, proxy health loop every {args.health_interval:g} s, "
         "proxy and direct syncs alternating in one run (TRL's sequence, calls one after another).",
         "",

@@ -1,5 +1,5 @@
 """The least a Python relay can cost per request on this machine: ``run_overhead``'s
-``floor-min`` target (``python -m bench.passthrough --front min``).
+``floor-min`` target (``python -m bench.harness.passthrough --front min``).
 
 uvloop, one ``asyncio.Protocol`` per side and httptools' parsers, nothing else: no timeouts, no
 validation, no error handling, no headers relayed, a fresh upstream connection only when none is
@@ -79,7 +79,7 @@ class _Routed:
     pack of the prompt, orjson of the rest, ``Router.route`` with the default cost policy over
     the in-flight counts, and the completion learned, as the proxy does per request; nothing of
     its front, guard, limits, metrics, logs or client. The distance from ``floor-min`` is what
-    routing costs under load; from the proxy, what everything else does (issue 12)."""
+    routing costs under load; from the proxy, what everything else does."""
 
     def __init__(self, backends: Sequence[Backend]) -> None:
         from proxy.core import native
@@ -102,7 +102,8 @@ class _Routed:
         )
         self.backends = list(backends)
         self.in_flight = [0] * len(backends)
-        # Imported once here, not per request (bench/minrelay.py imports no proxy code at its top).
+        # Imported once here, not per request (bench/harness/minrelay.py imports no proxy code at
+        # its top).
         self.packed_key = packed_key
         self.completion_token_ids = completion_token_ids
 

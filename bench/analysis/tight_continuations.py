@@ -1,7 +1,8 @@
-"""Where continuations lose their cache: ``python -m bench.tight_continuations DUMP...``.
+"""Where continuations lose their cache: ``python -m bench.analysis.tight_continuations DUMP...``.
 
-Reads the per-request dumps ``bench.run_routing`` writes (``OUT/tmp/logs/requests-W-R-N.jsonl``)
-and prints, per run, what decides the loss on a memory-tight fleet (issue 13, tight x4):
+Reads the per-request dumps ``bench.runners.run_routing`` writes
+(``OUT/tmp/logs/requests-W-R-N.jsonl``) and prints, per run, what decides the loss on a
+memory-tight fleet (tight x4 by default):
 
 - ``lost``: the oracle's hit tokens not hit, as a share of the oracle's hits, split by class:
   first turns, continuations that stayed on their rollout's previous replica (``home``), and
@@ -17,7 +18,7 @@ and prints, per run, what decides the loss on a memory-tight fleet (issue 13, ti
   once per replica and pinned while any member there runs), with each bin's share of the
   oracle's hits lost there; and by their replica's demand / cache when sent.
 
-Only the client's trace is read (router-independent, as bench/routing_memory.py).
+Only the client's trace is read (router-independent, as bench/analysis/routing_memory.py).
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-# tight x4's replica cache: bench/workload.py WORKLOADS["tight"].sim_for(4).kv_blocks (1,525)
-# x block_size 16. Other cells: pass --kv-tokens.
+# tight x4's replica cache: bench/harness/workload.py WORKLOADS["tight"].sim_for(4).kv_blocks
+# (1,525) x block_size 16. Other cells: pass --kv-tokens.
 TIGHT_X4_KV_TOKENS = 1525 * 16
 DEMAND_BINS = (1.0, 1.5, 2.0, 2.5, 3.0, 4.0)
 
@@ -202,8 +203,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "dumps",
         nargs="+",
         type=Path,
-        help="per-request dumps, or run folders (--out of bench.run_routing): one markdown row "
-        "per router of each folder, its routing.json figures beside the dump's",
+        help="per-request dumps, or run folders (--out of bench.runners.run_routing): one "
+        "markdown row per router of each folder, its routing.json figures beside the dump's",
     )
     parser.add_argument(
         "--pair",

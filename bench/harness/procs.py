@@ -14,7 +14,6 @@ import os
 import select
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # The Rust routers live in their own venv so their pinned deps never touch the project's.
 BENCH_VENV = Path(os.environ.get("BENCH_VENV", REPO / ".venv-bench"))
 
@@ -44,13 +43,6 @@ def find_tool(name: str) -> str | None:
         if p.is_file() and os.access(p, os.X_OK):
             return str(p)
     return None
-
-
-def free_port() -> int:
-    """A port the kernel just handed out on 127.0.0.1 (for tools that want a number)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _proc_stat(pid: int) -> tuple[int, float] | None:

@@ -1,7 +1,7 @@
 """Where a target's time goes at one connection, from its own system calls (a diagnostic for the
 ``added p50 @1`` column of ``run_overhead``; needs ``perf`` and the rights to trace).
 
-    python -m bench.latency_split --targets proxy,floor-min,vllm-router --rounds 3
+    python -m bench.runners.latency_split --targets proxy,floor-min,vllm-router --rounds 3
 
 At one connection nothing overlaps: wrk sends a request, the target reads it, writes it
 upstream, reads the answer and writes it back, and wrk sends the next one. ``perf record`` of
@@ -34,8 +34,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench import run_overhead as ro
-from bench.procs import find_tool, free_port, managed, wait_http
+from bench.harness.procs import find_tool, managed, wait_http
+from bench.runners import run_overhead as ro
+from fakes.net import free_port
 
 READS = ("read", "recvfrom")
 WRITES = ("write", "writev", "sendto")
@@ -131,7 +132,7 @@ def trace(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.latency_split", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.runners.latency_split", description=__doc__)
     p.add_argument("--targets", default="proxy,floor-min,vllm-router")
     p.add_argument("--body", default="repeated", choices=ro.BODIES)
     p.add_argument("--rounds", type=int, default=3)

@@ -1,8 +1,9 @@
-"""Pool routing runs of the same cells over seeds: ``python -m bench.pool_routing OUT DIR...``.
+"""Pool routing runs of the same cells over seeds:
+``python -m bench.analysis.pool_routing OUT DIR...``.
 
 Single runs of a memory-tight cell swing by several percent from seed to seed (tight x2/x4: the
 proxy 3-4%, the Rust routers 4-24%), more than the gaps they decide. This reads the
-``routing.json`` of each run folder (``bench.run_routing --seed N --out DIR``) and writes
+``routing.json`` of each run folder (``bench.runners.run_routing --seed N --out DIR``) and writes
 ``OUT.md`` and ``OUT.json``: per cell and router the mean over seeds of throughput, p99 and busy
 imbalance, with each seed's throughput, and the proxy against the best other router by those
 means (the same targets as bench/results/routing.md).
@@ -19,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.report import fmt, table
+from bench.analysis.report import fmt, table
 
 # The routers the proxy is judged against (bench/results/routing.md, "Against the targets").
 OTHERS = ("vllm-router", "sglang-router", "proxy-ll", "proxy-rr")
@@ -187,7 +188,9 @@ def render(rows: Sequence[dict[str, Any]], judged: Sequence[dict[str, Any]], sou
 
 
 def main(argv: Sequence[str]) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.pool_routing", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.analysis.pool_routing", description=__doc__
+    )
     parser.add_argument("out", type=Path, help="writes OUT.md and OUT.json")
     parser.add_argument("dirs", type=Path, nargs="+", help="run folders (their routing.json)")
     parser.add_argument(

@@ -2,22 +2,22 @@
 modes) and the prefix index's memory per tracked block; with ``--request``, one routed completion
 taken apart in process.
 
-    python -m bench.run_micro                  # -> bench/results/micro.md
-    python -m bench.run_micro --smoke --out /tmp/m
-    python -m bench.run_micro --request        # -> bench/results/micro_request.md
-    python -m bench.run_micro --route          # printed: Router.route in C vs in Python
+    python -m bench.runners.run_micro                  # -> bench/results/micro.md
+    python -m bench.runners.run_micro --smoke --out /tmp/m
+    python -m bench.runners.run_micro --request        # -> bench/results/micro_request.md
+    python -m bench.runners.run_micro --route          # printed: Router.route in C vs in Python
 
-``--route`` times the per-request routing work of bench.run_overhead's ``distinct64`` prompts
-(cost policy, two replicas with known KV capacities, the C hasher and index) through the one C
-call (``Router.route`` -> _native.c's ``route_tokens``) and through the Python route it replaces
-(``Router(..., use_native=False)``: main's path), interleaved round by round, with and without
+``--route`` times the per-request routing work of bench.runners.run_overhead's ``distinct64``
+prompts (cost policy, two replicas with known KV capacities, the C hasher and index) through
+the one C call (``Router.route`` -> _native.c's ``route_tokens``) and through the Python route
+(``Router(..., use_native=False)``), interleaved round by round, with and without
 learning the completion (``record_completion``).
 
 ``--request`` builds the proxy's real runtime (settings, router, data plane, data path) with two
-replicas marked ready and an upstream that answers at once with bench.run_overhead's fixed
-completion, then times ``DataPath.respond`` for bench.run_overhead's ``distinct64`` bodies and
-each stage it runs, in CPU microseconds without sockets. What that leaves out (the front, the
-upstream client, the syscalls) is what bench.run_overhead's ``floor-protocol`` target costs.
+replicas marked ready and an upstream that answers at once with bench.runners.run_overhead's fixed
+completion, then times ``DataPath.respond`` for bench.runners.run_overhead's ``distinct64`` bodies
+and each stage it runs, in CPU microseconds without sockets. What that leaves out (the front, the
+upstream client, the syscalls) is what bench.runners.run_overhead's ``floor-protocol`` target costs.
 
 Uses ``proxy.core`` as a library: ``make_hasher(mode, block_size)``, ``Namespace``,
 ``PrefixIndex(capacity, max_replicas).record(keys, replica)``.
@@ -37,9 +37,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.procs import REPO, machine_description
-from bench.report import fmt, table
-from bench.request_micro import request_timings
+from bench.analysis.report import fmt, table
+from bench.harness.procs import REPO, machine_description
+from bench.harness.request_micro import request_timings
 from proxy.core.hashing import Namespace, make_hasher
 from proxy.core.prefix_index import PrefixIndex
 
@@ -145,7 +145,7 @@ def index_memory(blocks: int, replicas: int = 8) -> IndexMemory:
 
 def route_timings(rounds: int, inner: int) -> list[tuple[str, list[float]]]:
     """Per variant, the median CPU us per call of each round (variants interleaved)."""
-    from bench.run_overhead import DISTINCT_PROMPTS, _fixed_completion, completion_request
+    from bench.runners.run_overhead import DISTINCT_PROMPTS, _fixed_completion, completion_request
     from proxy.core.native import MODULE
     from proxy.core.policy import make_policy
     from proxy.core.router import Router
@@ -284,7 +284,7 @@ def write_request_report(timings: Sequence[Timing], core: str, out: Path, comman
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.run_micro", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.runners.run_micro", description=__doc__)
     p.add_argument("--smoke", action="store_true", help="fewer repetitions, 20k blocks")
     p.add_argument("--request", action="store_true", help="time one routed completion's stages")
     p.add_argument("--route", action="store_true", help="Router.route: one C call vs Python")
@@ -296,7 +296,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             rounds_text = " ".join(f"{f:.1f}" for f in figures)
             print(f"{name:>42}: median {statistics.median(figures):6.1f} us  [{rounds_text}]")
         return 0
-    command = "python -m bench.run_micro " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m bench.runners.run_micro " + " ".join(
+        sys.argv[1:] if argv is None else argv
+    )
     if args.request:
         runs, inner = (3, 50) if args.smoke else (15, 1000)
         stages, core = request_timings(lambda name, fn: time_call(name, fn, runs, inner))

@@ -1,9 +1,10 @@
-"""One routed completion taken apart in process, for ``python -m bench.run_micro --request``.
+"""One routed completion taken apart in process, for
+``python -m bench.runners.run_micro --request``.
 
 The proxy's real runtime (``proxy.app.build_runtime``: settings, fleet, router, metrics, data
 plane, data path) with two replicas marked ready, and an upstream that answers at once with
-bench.run_overhead's fixed completion: ``DataPath.respond`` then runs every stage of a routed
-request (guard-checked head, parse, validation, limits, routing, relay call, learning the
+bench.runners.run_overhead's fixed completion: ``DataPath.respond`` then runs every stage of a
+routed request (guard-checked head, parse, validation, limits, routing, relay call, learning the
 completion, metrics, the answer) without a socket or an event loop turn, because nothing it
 awaits suspends. Each stage is also timed alone, so that the whole can be read as a sum.
 """
@@ -15,7 +16,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
-from bench.run_overhead import DISTINCT_PROMPTS, _fixed_completion, completion_request
+from bench.runners.run_overhead import DISTINCT_PROMPTS, _fixed_completion, completion_request
 from proxy.app import Runtime, _data_path, build_runtime
 from proxy.core import native
 from proxy.core import router as router_module

@@ -6,7 +6,7 @@
   ``PROXY_POLICY=prefix|round_robin|least_loaded`` (same HTTP path, so only the policy differs).
 - ``proxy-events``: rollout-proxy, default policy, scoring replicas on their KV-cache events
   (``PROXY_KV_EVENTS``); the simulator then publishes them (vLLM's wire format,
-  bench/kv_events_publisher.py).
+  bench/harness/kv_events_publisher.py).
 - ``proxy-exact``: ``proxy`` with vLLM's exact block hashes (``PROXY_HASH_MODE=exact``), the
   hashing ``proxy-events`` needs, without its views: separates the events router's CPU cost
   from its routing decisions.
@@ -41,8 +41,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from bench.procs import find_tool, free_port
-from bench.workload import PromptFormat
+from bench.harness.procs import find_tool
+from bench.harness.workload import PromptFormat
+from fakes.net import free_port
 
 
 @dataclass(frozen=True)
