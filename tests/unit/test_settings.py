@@ -43,6 +43,12 @@ def test_the_values_settings_mirror_are_the_cores() -> None:
         Settings(replicas=[REPLICA], vllm_hash_algo="md5")
 
 
+def test_the_benchmark_only_options_are_gone_and_listed() -> None:
+    assert {"upstream_transport", "hot_path"} <= set(REMOVED_SETTINGS)
+    assert not set(REMOVED_SETTINGS) & set(Settings.model_fields)
+    assert all(key.startswith("policy=") for key in REMOVED_VALUES)
+
+
 @pytest.mark.parametrize("name", sorted(REMOVED_SETTINGS))
 def test_a_removed_setting_is_refused_from_the_environment(name: str, monkeypatch) -> None:
     monkeypatch.setenv(f"PROXY_{name.upper()}", "anything")
