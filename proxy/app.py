@@ -52,6 +52,7 @@ from proxy.security.schemas import LOAD_BODY, UNLOAD_BODY
 from proxy.settings import REMOVED_VALUES, Settings
 from proxy.shutdown import Shutdown
 from proxy.upstream import Upstream
+from proxy.weight_sync import WeightSync
 
 if TYPE_CHECKING:
     from proxy.kv_events import KvEvents
@@ -59,12 +60,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("rollout_proxy")
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default on GPU, and the published recipe's --block-size
-NCCL_ENDPOINTS = (
-    "/init_weight_transfer_engine",
-    "/start_weight_update",
-    "/update_weights",
-    "/finish_weight_update",
-)
 
 
 @dataclass
@@ -85,6 +80,7 @@ class Runtime:
     tokenizer: Tokenizer | None
     shutdown: Shutdown
     guard: Guard
+    weights: WeightSync
     kv_events: KvEvents | None
     # PROXY_NATIVE resolved: the C extension runs the per-request work (proxy/core/native.py)
     native: bool
@@ -183,6 +179,7 @@ def build_runtime(settings: Settings, transport: httpx.AsyncBaseTransport | None
         tokenizer=_load_tokenizer(settings.tokenizer) if settings.tokenizer else None,
         shutdown=Shutdown(settings.shutdown_grace_s),
         guard=guard,
+        weights=WeightSync(settings, fleet, upstream, control, metrics),
         kv_events=kv_events,
         native=use_native,
     )
@@ -263,7 +260,8 @@ def create_app(
     _error_handlers(app, rt, echo_secrets)
     _probe_routes(app, rt)
     _control_routes(app, rt)
-    _single_replica_routes(app, rt)
+    _weight_routes(app, rt)
+    _forward_routes(app, rt)
     _admin_routes(app, rt)
     return app
 
@@ -352,6 +350,8 @@ def _probe_routes(app: FastAPI, rt: Runtime) -> None:
         if rt.shutdown.draining:
             return JSONResponse({"status": "shutting down"}, 503)
         status, body = await rt.probes.health()
+        if rt.fleet.weights.active:  # merged-weight sync: which replicas hold which weights
+            body["weights"] = rt.fleet.weights.describe(rt.fleet.weight_states())
         return JSONResponse(body, status)
 
     @app.get("/livez")
@@ -378,6 +378,7 @@ def _probe_routes(app: FastAPI, rt: Runtime) -> None:
         # per completion otherwise); a replica seen once keeps its series, at 0 when idle.
         for replica in rt.fleet.replicas:
             rt.metrics.inflight_for(str(replica.index)).set(replica.in_flight)
+        rt.weights.refresh_gauges()
         rt.metrics.index_blocks.set(len(rt.router.index))
         evicted = rt.router.index.evictions - rt.metrics.index_evictions._value.get()
         if evicted > 0:
@@ -407,23 +408,35 @@ def _control_routes(app: FastAPI, rt: Runtime) -> None:
         return _reply(await rt.control.reset_prefix_cache(request.url.query))
 
 
-def _single_replica_routes(app: FastAPI, rt: Runtime) -> None:
-    """TRL's merged-weight (NCCL) sync, meaningful with exactly one replica, and any other
-    ``/v1/*`` path, forwarded to one ready replica."""
+def _weight_routes(app: FastAPI, rt: Runtime) -> None:
+    """TRL's merged-weight sync (vLLM weight transfer) to every replica: proxy/weight_sync.py."""
 
-    async def single_replica(request: Request) -> Response:
-        members = rt.fleet.members()
-        if len(members) != 1:
-            raise NotSupported(
-                f"{request.url.path} is part of TRL's merged-weight (NCCL) sync, which cannot "
-                f"reach {len(members)} replicas through a proxy. Use adapter-only sync: a PEFT "
-                "LoRA without DoRA or modules_to_save, rank <= --max-lora-rank, and vLLM "
-                "started with --enable-lora."
-            )
-        return await forward_one(request)
+    @app.get("/get_world_size")
+    async def get_world_size(request: Request) -> Response:
+        return _reply(await rt.weights.get_world_size(request.url.query))
+
+    @app.post("/init_weight_transfer_engine")
+    async def init_weight_transfer_engine(request: Request) -> Response:
+        return _reply(await rt.weights.init(await request.body()))
+
+    @app.post("/start_weight_update")
+    async def start_weight_update(request: Request) -> Response:
+        return _reply(await rt.weights.start(await request.body()))
+
+    @app.post("/update_weights")
+    async def update_weights(request: Request) -> Response:
+        return _reply(await rt.weights.update(await request.body()))
+
+    @app.post("/finish_weight_update")
+    async def finish_weight_update(request: Request) -> Response:
+        return _reply(await rt.weights.finish(await request.body()))
+
+
+def _forward_routes(app: FastAPI, rt: Runtime) -> None:
+    """Any other ``/v1/*`` path, forwarded to one ready replica."""
 
     async def forward_one(request: Request) -> Response:
-        ready = [r for r in rt.fleet.members() if r.status is Status.READY]
+        ready = [r for r in rt.fleet.members() if r.status is Status.READY and r.weights.ok]
         if not ready:
             raise UpstreamUnavailable("no replica is ready", status_code=503)
         replica = min(ready, key=lambda r: r.in_flight)
@@ -440,10 +453,6 @@ def _single_replica_routes(app: FastAPI, rt: Runtime) -> None:
         if "content-type" in response.headers:
             headers["content-type"] = response.headers["content-type"]
         return Response(response.content, response.status_code, headers)
-
-    app.add_api_route("/get_world_size", single_replica, methods=["GET"])
-    for path in NCCL_ENDPOINTS:
-        app.add_api_route(path, single_replica, methods=["POST"])
 
     async def forward_other(request: Request, rest: str) -> Response:
         return await forward_one(request)
@@ -506,6 +515,11 @@ def _route_of(request: Request) -> str:
         "/reset_prefix_cache": "reset_prefix_cache",
         "/is_paused": "is_paused",
         "/metrics": "metrics",
+        "/get_world_size": "weight_sync",
+        "/init_weight_transfer_engine": "weight_sync",
+        "/start_weight_update": "weight_sync",
+        "/update_weights": "weight_sync",
+        "/finish_weight_update": "weight_sync",
     }.get(path, "admin" if path.startswith("/admin") else "forward")
 
 

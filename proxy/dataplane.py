@@ -46,10 +46,14 @@ RELAYED_HEADERS = ("content-type", "x-request-id", "cache-control")
 RETRIED_STATUSES = frozenset({500, 502, 503})
 
 
-def _relay_headers(reply: Reply, replica: int, request_id: str) -> list[tuple[bytes, bytes]]:
+def _relay_headers(
+    reply: Reply, replica: int, request_id: str, weight_version: bytes | None = None
+) -> list[tuple[bytes, bytes]]:
     """The answer's headers: RELAYED_HEADERS as the replica sent them, then ``x-proxy-replica``,
-    and ``x-request-id`` set to the request's (in the replica's place if it sent one, else
-    last). Built straight as the raw pairs the server writes (no dict, one pass)."""
+    ``x-proxy-weight-version`` when a merged-weight group exists (the weights the replica held
+    when its answer arrived: proxy/core/weights.py), and ``x-request-id`` set to the request's
+    (in the replica's place if it sent one, else last). Built straight as the raw pairs the
+    server writes (no dict, one pass)."""
     got = reply.headers
     rid = request_id.encode("latin-1")
     raw = []
@@ -63,6 +67,8 @@ def _relay_headers(reply: Reply, replica: int, request_id: str) -> list[tuple[by
             else:
                 raw.append((name_bytes, value.encode("latin-1")))
     raw.append((b"x-proxy-replica", _REPLICA_LABELS[replica] if replica < 64 else b"%d" % replica))
+    if weight_version is not None:
+        raw.append((b"x-proxy-weight-version", weight_version))
     if not echoed:
         raw.append((b"x-request-id", rid))
     return raw
@@ -76,6 +82,16 @@ _LABELS = [str(i) for i in range(64)]
 
 
 _TOKEN_IDS = b'"token_ids"'
+
+
+def _weights(fleet: Fleet, replica: Replica) -> bytes | None:
+    """X-Proxy-Weight-Version's value: the merged weights ``replica`` holds as its answer
+    arrives (a request frozen by a pause finishes on the weights of the sync that followed);
+    None when no weight-transfer group exists. Labels are printable ASCII (core/weights.py)."""
+    if not fleet.weights.active:
+        return None
+    w = replica.weights
+    return (w.version if w.version is not None else str(w.seq)).encode("ascii")
 
 
 def completion_token_ids(content: bytes) -> list[int] | None:
@@ -254,6 +270,7 @@ class DataPlane:
                     request.request_id,
                     sent_at,
                     sent_at - request.started,
+                    _weights(self.fleet, replica),
                 )
                 return relayed
             if not reply.released:  # (the lean pool's buffered replies are: no coroutine to run)
@@ -336,7 +353,9 @@ class DataPlane:
                     "upstream_ms": round(upstream_s * 1e3, 2),
                 },
             )
-        result = RelayedBody(reply, index, request.request_id, self.guard)
+        result = RelayedBody(
+            reply, index, request.request_id, self.guard, _weights(self.fleet, replica)
+        )
         proxy_s = time.perf_counter() - request.started - upstream_s
         self.metrics.answered(
             request.route, _LABELS[index] if index < 64 else str(index), status, upstream_s, proxy_s
@@ -369,11 +388,18 @@ class RelayedBody(Response):
     builds a header object model on every request, which cost more than routing the request
     in the profile; this is still a ``Response`` to anything that checks."""
 
-    def __init__(self, reply: Reply, replica: int, request_id: str, guard: Guard | None) -> None:
+    def __init__(
+        self,
+        reply: Reply,
+        replica: int,
+        request_id: str,
+        guard: Guard | None,
+        weight_version: bytes | None = None,
+    ) -> None:
         # Deliberately not calling Response.__init__ (that is the cost being avoided).
         self.status_code = reply.status
         self.background = None
-        raw = _relay_headers(reply, replica, request_id)
+        raw = _relay_headers(reply, replica, request_id, weight_version)
         body = reply.body
         if guard is not None:
             body = guard.mask_body(body)
@@ -407,6 +433,7 @@ class RelayedStream(Response):
         request_id: str,
         sent_at: float,
         routed: float,
+        weight_version: bytes | None = None,
     ) -> None:
         self.plane = plane
         self.route = route
@@ -416,7 +443,7 @@ class RelayedStream(Response):
         self.routed = routed
         self.status_code = reply.status
         self.background = None
-        self.raw_headers = _relay_headers(reply, replica.index, request_id)
+        self.raw_headers = _relay_headers(reply, replica.index, request_id, weight_version)
         if plane.guard is not None:
             self.raw_headers = plane.guard.mask_headers(self.raw_headers)
         self.client_left = False

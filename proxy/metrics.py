@@ -40,6 +40,7 @@ ROUTES = (
     "forward",
     "admin",
     "metrics",
+    "weight_sync",
 )
 
 
@@ -235,6 +236,19 @@ class Metrics:
         self.adapter_latest = Gauge(
             p + "adapter_latest_version",
             "N of the newest trl-policy-vN loaded on the replica.",
+            ["replica"],
+            registry=r,
+        )
+        self.weight_seq = Gauge(
+            p + "replica_weight_version",
+            "Merged-weight syncs the replica completed whole under the current weight-transfer "
+            "group (0: launch weights); the label TRL or the proxy gave it is in /health.",
+            ["replica"],
+            registry=r,
+        )
+        self.weights_stale = Gauge(
+            p + "replica_weights_stale",
+            "1 when the replica does not hold the fleet's merged weights (it takes no traffic).",
             ["replica"],
             registry=r,
         )

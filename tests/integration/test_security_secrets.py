@@ -133,6 +133,7 @@ def test_token_appears_in_no_log_and_no_response(caplog) -> None:
         call("POST", "/v1/completions", json=rollout("trl-policy-v1", [1]), headers={})
         call("POST", "/pause", headers=data)
         call("GET", "/get_world_size")
+        call("POST", "/start_weight_update")
         # A hung replica (timeout, 504) and a dead one (ejected; requests go elsewhere).
         for f in fakes:
             f.hang_completions = True
@@ -163,7 +164,7 @@ def test_token_appears_in_no_log_and_no_response(caplog) -> None:
     assert all(seen["authorization"] == f"Bearer {token}" for f in fakes for seen in f.seen_headers)
     assert sum(len(f.seen_headers) for f in fakes) >= 10
     codes = {code for _, code in call.statuses}
-    assert {200, 400, 401, 403, 404, 501, 502}.issubset(codes), sorted(codes)
+    assert {200, 400, 401, 403, 404, 409, 502}.issubset(codes), sorted(codes)
     assert codes & {502, 503, 504}, sorted(codes)
     assert "rollout_proxy_requests_total" in metrics
 
