@@ -43,6 +43,7 @@ from proxy.errors import InvalidRequest, ProxyError
 from proxy.metrics import Metrics
 from proxy.security.guard import Guard, error_response_parts
 from proxy.security.limits import BodyTooLarge, PromptLimits, too_large
+from proxy.security.schemas import CHAT_BODY, COMPLETION_BODY
 from proxy.shutdown import Shutdown
 from proxy.wire import send_whole
 
@@ -156,13 +157,6 @@ class DataPath:
         self.limits.check(body, key)
         return key, request_id(headers)
 
-    async def handle(
-        self, route: str, path: str, raw: bytes, headers: list[tuple[bytes, bytes]], started: float
-    ) -> RelayedBody | RelayedStream:
-        """Parse, check and route one completion (what the declared routes call)."""
-        key, rid = self.prepare(route, raw, headers)
-        return await self.data.forward(route, path, raw, key, rid, started)
-
     async def respond(
         self, route: str, scope: Scope, raw: bytes, started: float
     ) -> RelayedBody | RelayedStream | WholeAnswer:
@@ -239,6 +233,18 @@ class DataPath:
                 return b"".join(chunks)
 
 
+# The OpenAPI operations of the completions: served by ``DataPath``, not by FastAPI routes,
+# they are added to FastAPI's schema as its own routes would appear there.
+HOT_OPERATIONS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "/v1/completions": ("Completions", "completions_v1_completions_post", COMPLETION_BODY),
+    "/v1/chat/completions": (
+        "Chat Completions",
+        "chat_completions_v1_chat_completions_post",
+        CHAT_BODY,
+    ),
+}
+
+
 class ProxyApp(FastAPI):
     """The FastAPI app, with completions taken off the front of its ``__call__``.
 
@@ -247,6 +253,29 @@ class ProxyApp(FastAPI):
 
     data_path: DataPath | None = None
     shutdown: Shutdown | None = None
+
+    def openapi(self) -> dict[str, Any]:
+        """FastAPI's schema, with the completions documented first."""
+        if self.openapi_schema is None:
+            schema = super().openapi()
+            answer = {
+                "description": "Successful Response",
+                "content": {"application/json": {"schema": {}}},
+            }
+            documented = {
+                path: {
+                    "post": {
+                        "summary": summary,
+                        "operationId": operation,
+                        **body,
+                        "responses": {"200": answer},
+                    }
+                }
+                for path, (summary, operation, body) in HOT_OPERATIONS.items()
+            }
+            schema["paths"] = {**documented, **schema.get("paths", {})}
+            self.openapi_schema = schema
+        return self.openapi_schema
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         shutdown = self.shutdown

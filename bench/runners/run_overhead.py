@@ -114,10 +114,9 @@ TARGETS: dict[str, Target] = {
         Target("direct", "wrk -> fake backend, no proxy", "direct"),
         Target(
             "proxy",
-            "rollout-proxy, defaults (PROXY_HOT_PATH=protocol, PROXY_UPSTREAM_TRANSPORT=lean, "
-            "PROXY_NATIVE=auto: the C extension proxy.core._native, built by make setup)",
+            "rollout-proxy, defaults (PROXY_NATIVE=auto: the C extension proxy.core._native, "
+            "built by make setup)",
             "proxy",
-            {"PROXY_UPSTREAM_TRANSPORT": "lean"},
         ),
         Target(
             "proxy-python",
@@ -125,7 +124,7 @@ TARGETS: dict[str, Target] = {
             "per-request parse, hashing, index writes, common-prefix walk and learning; proxy "
             "minus proxy-python is the C extension's gain",
             "proxy",
-            {"PROXY_UPSTREAM_TRANSPORT": "lean", "PROXY_NATIVE": "off"},
+            {"PROXY_NATIVE": "off"},
         ),
         Target(
             "proxy-rr",
@@ -133,32 +132,14 @@ TARGETS: dict[str, Target] = {
             "validation, limits, metrics, answer) without hashing, prefix index, cost policy or "
             "recording completions; proxy minus proxy-rr is what routing costs",
             "proxy",
-            {"PROXY_UPSTREAM_TRANSPORT": "lean", "PROXY_POLICY": "round_robin"},
-        ),
-        Target(
-            "proxy-asgi",
-            "rollout-proxy, PROXY_HOT_PATH=asgi (completions through the ASGI app)",
-            "proxy",
-            {"PROXY_UPSTREAM_TRANSPORT": "lean", "PROXY_HOT_PATH": "asgi"},
-        ),
-        Target(
-            "proxy-aiohttp",
-            "rollout-proxy, PROXY_UPSTREAM_TRANSPORT=aiohttp",
-            "proxy",
-            {"PROXY_UPSTREAM_TRANSPORT": "aiohttp"},
-        ),
-        Target(
-            "proxy-httpx",
-            "rollout-proxy, PROXY_UPSTREAM_TRANSPORT=httpx",
-            "proxy",
-            {"PROXY_UPSTREAM_TRANSPORT": "httpx"},
+            {"PROXY_POLICY": "round_robin"},
         ),
         Target(
             "proxy-mypyc",
             "rollout-proxy, defaults, with proxy/core compiled by mypyc "
             "(scripts/compile_core.py --out build/mypyc-bench)",
             "proxy",
-            {"PROXY_UPSTREAM_TRANSPORT": "lean", "PYTHONPATH": str(MYPYC_ROOT)},
+            {"PYTHONPATH": str(MYPYC_ROOT)},
             package_root=MYPYC_ROOT,
         ),
         Target("vllm-router", "vllm-router --policy cache_aware", "vllm-router"),
@@ -205,11 +186,11 @@ TARGETS: dict[str, Target] = {
         ),
     )
 }
-# On request only: httpx's own transport costs ~10x the others (2,670 us/request last measured),
-# and proxy-mypyc measured 7-9% worse than the interpreted proxy under load (overhead_profile.md):
+# On request only: proxy-mypyc measured 7-9% worse than the interpreted proxy under load
+# (overhead_profile.md):
 # it added a target's worth of noise and lock time to every run (it is skipped, saying how to
 # build it, when asked for without a build).
-DEFAULT_TARGETS = [n for n in TARGETS if n not in ("proxy-httpx", "proxy-mypyc")]
+DEFAULT_TARGETS = [n for n in TARGETS if n != "proxy-mypyc"]
 
 
 def target(name: str) -> Target:
@@ -224,7 +205,6 @@ def target(name: str) -> Target:
         name,
         f"rollout-proxy, defaults, as checked out at {tree}",
         "proxy",
-        {"PROXY_UPSTREAM_TRANSPORT": "lean"},
         tree=tree,
     )
 

@@ -151,7 +151,6 @@ def test_overhead_smoke_with_our_proxy(tmp_path: Path) -> None:
         "proxy",
         "proxy-python",
         "proxy-rr",
-        "proxy-asgi",
         "nginx",
         "floor",
         "floor-protocol",
