@@ -34,7 +34,7 @@ from proxy.core.fleet import Fleet, Replica, Status, adapter_version
 from proxy.core.router import Router
 from proxy.errors import UpstreamTimeout, UpstreamUnavailable
 from proxy.metrics import Metrics
-from proxy.security.redaction import scrub, settings_secrets
+from proxy.security.redaction import scrub
 from proxy.settings import Settings
 from proxy.upstream import ReplicaUnreachable, Upstream
 
@@ -231,7 +231,7 @@ class Reconciler:
         self.clock = clock or (lambda: asyncio.get_running_loop().time())
         self.sleep = sleep
         self._locks: dict[int, asyncio.Lock] = {}
-        self._secrets = tuple(settings_secrets(settings))
+        self._secrets = tuple(settings.secrets())
         self.changes = FleetChanges()
 
     def lock(self, replica: Replica) -> asyncio.Lock:

@@ -3,14 +3,16 @@
     python scripts/compile_core.py                 # .so files beside the sources (git-ignored)
     python scripts/compile_core.py --clean         # remove them: the pure-Python core again
     python scripts/compile_core.py --out DIR       # a copy of the package in DIR/proxy, compiled
-                                                   # there (bench.run_overhead's proxy-mypyc)
+                                                   # there (bench.runners.run_overhead's
+                                                   # proxy-mypyc)
 
 Why opt-in. The Python modules stay the reference and the default: mypyc ships with mypy (the dev
 venv has it) and needs a C compiler, which neither ``pip install rollout-proxy`` nor the image
 guarantees, and a compiled module silently shadows its source (Python imports the extension
 first), so an edit to ``proxy/core/*.py`` does nothing until this is re-run or cleaned. What the
-build buys is measured, not assumed: ``python -m bench.run_micro --request`` times a routed
-request in process with either core, and ``bench.run_overhead``'s ``proxy-mypyc`` target runs the
+build buys is measured, not assumed: ``python -m bench.runners.run_micro --request`` times a routed
+request in process with either core, and ``bench.runners.run_overhead``'s ``proxy-mypyc`` target
+runs the
 compiled copy side by side with the default. Measured on the 2-core machine (2026-12-02): ~14%
 less CPU per routed request in process, 7-9% *more* under wrk load in the quiet final run (no
 difference in a loaded one): bench/results/overhead_profile.md, "mypyc".

@@ -37,6 +37,8 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from proxy.core.weights import ReplicaWeights, WeightBook
+
 # At most 18 digits: the name is a replica's or a client's word, and int() of a 5,000-digit
 # version raises; no run publishes a quintillion versions, so a longer one is not TRL's name.
 POLICY_ADAPTER = re.compile(r"trl-policy-v(\d{1,18})\Z")
@@ -89,10 +91,19 @@ class Replica:
     # between the last two scrapes (None: unknown, e.g. no traffic or counters reset).
     cache_counters: tuple[float, float] | None = None
     hit_rate: float | None = None
+    # Merged-weight sync: its seat in the weight-transfer group and the weights it holds
+    # (proxy/core/weights.py). Only READY replicas whose ``weights.ok`` take traffic.
+    weights: ReplicaWeights = field(default_factory=ReplicaWeights)
 
     @property
     def in_service(self) -> bool:
         return self.status in SERVING
+
+    @property
+    def weight_version(self) -> str | None:
+        """The label of the last merged-weight sync it completed (None: launch weights, or no
+        merged-weight sync); ``weights.stale`` says whether that is the fleet's."""
+        return self.weights.version
 
 
 @dataclass(frozen=True)
@@ -158,11 +169,13 @@ class Fleet:
         # computed per token prompt (~0.5 us a request). Set synchronously at each change, so a
         # change still applies to the very next request.
         self.max_len_bound: int | None = None
+        self.weights = WeightBook()
 
     # -- membership -------------------------------------------------------------------------
 
     def add(self, url: str) -> Replica:
         replica = Replica(len(self.replicas), url)
+        self.weights.admit(replica.weights)
         self.replicas.append(replica)
         return replica
 
@@ -179,6 +192,10 @@ class Fleet:
         if not 0 <= index < len(self.replicas) or self.replicas[index].status is Status.REMOVED:
             raise KeyError(index)
         return self.replicas[index]
+
+    def weight_states(self) -> dict[int, ReplicaWeights]:
+        """Each member's merged-weight state, by index (what proxy/core/weights.py works on)."""
+        return {r.index: r.weights for r in self.members()}
 
     def members(self) -> list[Replica]:
         return [r for r in self.replicas if r.status is not Status.REMOVED]
@@ -206,8 +223,11 @@ class Fleet:
         is known and what TRL asked for (unknown or different: a request could be held by a
         pause nobody lifts, or run while TRL has the fleet paused). The base model waits for
         READY: every replica has it, so the whole plan decides whether it is fit. PENDING,
-        EJECTED, DRAINING and REMOVED replicas take nothing new."""
+        EJECTED, DRAINING and REMOVED replicas take nothing new, and neither does one that does
+        not hold the fleet's merged weights (when a weight-transfer group exists)."""
         status = replica.status
+        if replica.weights.stale is not None:
+            return False  # it does not hold the fleet's merged weights (proxy/core/weights.py)
         if status is Status.READY:
             return self.is_base_model(model) or model in replica.adapters
         if status is not Status.RECONCILING or self.is_base_model(model):
@@ -223,15 +243,13 @@ class Fleet:
 
     def eligible(self, model: str) -> list[Replica]:
         """The replicas that may take a new request for ``model`` (:meth:`can_serve`)."""
-        if self.is_base_model(model):
-            return [r for r in self.replicas if r.status is Status.READY]
         return [r for r in self.replicas if self.can_serve(r, model)]
 
     def serves_anything(self, replica: Replica) -> bool:
         """It may take a new request for some model: READY, or RECONCILING and eligible for an
         adapter it holds. Plain /health is 200 while one replica that answers does."""
         if replica.status is Status.READY:
-            return True
+            return replica.weights.stale is None
         return any(self.can_serve(replica, name) for name in replica.adapters)
 
     def in_desired_state(self, replica: Replica) -> bool:
@@ -291,6 +309,7 @@ class Fleet:
             replica.needs_reconcile = True
             # It may restart before it is seen again: what it had applied is no longer known.
             replica.paused = None
+            self.weights.lost(replica.weights, f"ejected ({error})")
             return was_serving
         return False
 

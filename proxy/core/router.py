@@ -69,6 +69,7 @@ class Router:
         index: PrefixIndex,
         policy: Policy,
         use_native: bool | None = None,
+        precise: PreciseMatcher | None = None,
     ) -> None:
         self.hasher = hasher
         self.index = index
@@ -84,10 +85,13 @@ class Router:
         self._epochs: OrderedDict[str, int] = OrderedDict()
         self._next_epoch = 1
         self._namespaces: dict[tuple[str, str | None, str | None, int], Namespace] = {}
-        # Set when PROXY_KV_EVENTS is on: scores replicas by the blocks they report (kv_view.py).
-        self.precise: PreciseMatcher | None = None
-        # Each replica's KV cache in tokens, once scraped (health.py); absent: unknown.
-        self.kv_capacity_tokens: dict[int, int] = {}
+        # Given when PROXY_KV_EVENTS is on: scores replicas by the blocks they report (kv_view.py).
+        self.precise = precise
+        # Each replica's KV cache in tokens, once scraped (health.py); absent: unknown. The
+        # matcher's own dict when there is one, so that its views see the same capacities.
+        self.kv_capacity_tokens: dict[int, int] = (
+            precise.capacity_tokens if precise is not None else {}
+        )
         # A completion's chain continued in one call where the hasher can (FastHasher: in C when
         # the extension runs); other hashers continue it from the concatenated ids.
         self._extend_tail = hasher.extend_tail if isinstance(hasher, FastHasher) else None

@@ -1,4 +1,4 @@
-"""The in-process request harness (bench/request_micro.py), the mypyc build's bookkeeping
+"""The in-process request harness (bench/harness/request_micro.py), the mypyc build's bookkeeping
 (scripts/compile_core.py) and run_overhead's proxy-mypyc target, without compiling anything."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench import run_overhead
-from bench.request_micro import request_timings
+from bench.harness.request_micro import request_timings
+from bench.runners import run_overhead
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -203,7 +203,7 @@ def test_memory_keeps_a_group_together_where_compute_alone_splits_it() -> None:
 
 
 def test_an_h100s_cache_never_charges_memory_for_the_benchmarks_roomy_workloads() -> None:
-    """grpo and agentic run on 140,000-block replicas (bench/simulator.py: an H100-80GB's KV
+    """grpo and agentic run on 140,000-block replicas (bench/harness/simulator.py: an H100-80GB's KV
     cache for this model): 2.24M tokens hold 254 requests of the longest 8,192-token context plus
     600 expected tokens, more than the 64 rollouts TRL keeps in flight. There the memory term is
     zero and the policy decides exactly as before it existed."""
