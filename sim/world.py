@@ -213,7 +213,11 @@ class World:
         # Merged mode (drawn only there, so the adapter mode's seeds replay as before).
         self.group_formed = False
         self.epoch = 0  # groups formed so far
-        self.finishes = 0  # successful finishes so far (a completion spanning one is not checked)
+        # Finish calls begun so far, and whether one is in flight: a completion whose sending or
+        # answer falls within one is not checked (replicas switch weights before the proxy hears
+        # of it, and the simulated pause holds only requests that arrive while paused).
+        self.finish_calls = 0
+        self.finishing = False
         self.reference: int | None = None  # the version of the last successful finish ...
         self.reference_label: str | None = None  # ... and its label; None: nothing to check
         self.last_finished = 0  # the trainer's last successfully finished version, kept
@@ -562,7 +566,12 @@ class World:
             if answers[-1].status == 200 or self.persist:
                 answers.append(await self._weight_call("update", {"update_info": update_info}))
             if answers[-1].status == 200 or self.persist:
-                finished = await self._weight_call("finish", {})
+                self.finish_calls += 1
+                self.finishing = True
+                try:
+                    finished = await self._weight_call("finish", {})
+                finally:
+                    self.finishing = False
                 answers.append(finished)
                 self._finished(v, finished)
             resumed = await self._control("resume")
@@ -584,21 +593,25 @@ class World:
                 label = serving.group(2)
         if label is None:
             return
-        self.finishes += 1
         self.reference, self.reference_label = version, label
         self.last_finished = version
 
-    def _check_weights(self, answer: Answer, sent: tuple[int, int]) -> None:
+    def _weights_moment(self) -> tuple[int, int] | None:
+        """What a completion's I7 check compares between its sending and its answer (None: a
+        finish is in flight)."""
+        return None if self.finishing else (self.epoch, self.finish_calls)
+
+    def _check_weights(self, answer: Answer, sent: tuple[int, int] | None) -> None:
         """I7 on a completion answered 200 (merged mode)."""
         index = int(answer.headers.get("x-proxy-replica", "-1"))
         if not 0 <= index < len(self.replicas):
             self.violation("I7", f"completion answered without a known replica ({index})")
             return
         replica = self.replicas[index]
-        if sent != (self.epoch, self.finishes):
-            return  # a finish landed while it ran: a frozen request finishes on new weights
+        if sent is None or sent != self._weights_moment():
+            return  # a finish was under way while it ran: replicas may hold either weights
         if self.reference is None:
-            if self.finishes and replica.weights != self.last_finished:
+            if self.last_finished and replica.weights != self.last_finished:
                 self.result.stale_unchecked += 1
             return
         self.result.weights_checked += 1
@@ -650,7 +663,7 @@ class World:
             alive = self._living_holders(model, sent_at)
             faults_before = list(self.alive_since)
             pauses = self.pauses if self.pauses == self.resumes else -1
-            weights_sent = (self.epoch, self.finishes)
+            weights_sent = self._weights_moment()
             answer = await self.proxy.complete(body, f"sim-{seed}")
             if self.mode == "merged" and answer.status == 200:
                 self._check_weights(answer, weights_sent)
