@@ -124,20 +124,12 @@ class FastHasher:
         self.block_size = block_size
         self._seeds: dict[Namespace, int] = {}
         module = module_for(use_native)
-        # The extension this hasher chains with (None: the reference): Router routes a token-id
-        # prompt in one C call only when the hasher's chain is the extension's.
-        self.native = module
         self.chain: Callable[[Packed, int, int], list[int]] = (
             module.chain if module is not None else _chain
         )
         self._extend_chain: Callable[..., list[int] | None] | None = (
             module.extend_chain if module is not None else None
         )
-
-    def seed(self, namespace: Namespace) -> int:
-        """The chain's first seed for ``namespace`` (what Router.route passes to the extension's
-        ``route_tokens``)."""
-        return self._seed(namespace)
 
     def _seed(self, namespace: Namespace) -> int:
         seed = self._seeds.get(namespace)

@@ -30,7 +30,6 @@ from collections.abc import Callable, Iterator, Sequence
 from itertools import count, islice, takewhile
 from typing import Any, NamedTuple, Protocol
 
-from proxy.core.native import module_for
 from proxy.core.policy import CostModel
 from proxy.core.prefix_index import PrefixIndex
 from proxy.core.reach import mask_of, prefix_reach, specific
@@ -225,11 +224,10 @@ def parse_batch(payload: Any) -> list[KvEvent]:
     return [e for e in parsed if e is not None]
 
 
-# -- the per-key loops (reference; proxy/core/_native.c's view_* run the same in C) -------------
+# -- the per-key loops --------------------------------------------------------------------------
 # Each routed request on the memory-tight benchmark pins and frees ~250 prompt keys on its
-# replica's view and causes ~280 stored / removed keys there: these loops were ~0.5 ms of the
-# events path's ~0.6 ms per request in Python (bench/results/kv_events.md, round 8). The C twins
-# are compared with these on random operation sequences (tests/unit/test_kv_view_native.py).
+# replica's view and causes ~280 stored / removed keys there: these loops are most of the events
+# path's cost per request.
 
 
 def _store(
@@ -365,29 +363,6 @@ def _prefix(
     return n
 
 
-class _Loops(NamedTuple):
-    store: Callable[..., int]
-    remove: Callable[..., int]
-    apply: Callable[..., tuple[int, int]]
-    hold: Callable[..., int]
-    release: Callable[..., None]
-    expect: Callable[..., None]
-    prefix: Callable[..., int]
-
-
-PYTHON_LOOPS = _Loops(_store, _remove, _apply, _hold, _release, _expect, _prefix)
-
-
-def loops_for(use_native: bool | None) -> _Loops:
-    """The C loops when ``use_native`` asks for them (None: whenever the extension is built),
-    else the Python reference (proxy/core/native.py decides, as for the index)."""
-    module = module_for(use_native)
-    if module is None:
-        return PYTHON_LOOPS
-    return _Loops(module.view_store, module.view_remove, module.view_apply, module.view_hold,
-                  module.view_release, module.view_expect, module.view_prefix)  # fmt: skip
-
-
 class ReplicaView:
     """One replica's cached block keys, and whether they are the whole truth.
 
@@ -397,13 +372,10 @@ class ReplicaView:
     higher -- so the bound costs accuracy, never correctness of the set it does report.
     """
 
-    def __init__(
-        self, capacity: int = DEFAULT_VIEW_CAPACITY, use_native: bool | None = None
-    ) -> None:
+    def __init__(self, capacity: int = DEFAULT_VIEW_CAPACITY) -> None:
         if capacity < 1:
             raise ValueError("view capacity must be >= 1 block")
         self.capacity = capacity
-        self._loops = loops_for(use_native)
         self.blocks: dict[int, None] = {}
         # Sent here, not yet reported stored: key -> deadline (see PENDING_TTL_S).
         self.pending: OrderedDict[int, float] = OrderedDict()
@@ -523,13 +495,12 @@ class ReplicaView:
         blocks, pending, freed, pins, tick = (
             self.blocks, self.pending, self.freed, self.pins, self._tick
         )  # fmt: skip
-        apply = self._loops.apply
         confirmed = 0
         self.events += len(events)
         total = len(events)
         start = 0
         while True:
-            got, stop = apply(blocks, pending, freed, pins, tick, events, start)
+            got, stop = _apply(blocks, pending, freed, pins, tick, events, start)
             confirmed += got
             if stop >= total:
                 break
@@ -578,14 +549,14 @@ class ReplicaView:
     def expect(self, keys: Sequence[int], now: float) -> None:
         """``keys`` were just sent here: count them as held until reported (PENDING_TTL_S)."""
         pending = self.pending
-        self._loops.expect(self.blocks, pending, keys, now + PENDING_TTL_S)
+        _expect(self.blocks, pending, keys, now + PENDING_TTL_S)
         while len(pending) > MAX_PENDING_BLOCKS:
             pending.popitem(last=False)
 
     def hold(self, token: int, keys: Sequence[int], now: float = 0.0) -> None:
         """A request with prompt blocks ``keys`` was just routed here: they are pinned (not
         evictable) until ``release(token)``; the ones not cached must be allocated."""
-        new = self._loops.hold(self.pins, self.freed, self.blocks, keys)
+        new = _hold(self.pins, self.freed, self.blocks, keys)
         held = self.held
         held[token] = (keys, new, now + PENDING_TTL_S)
         while len(held) > MAX_HELD_REQUESTS:
@@ -597,7 +568,7 @@ class ReplicaView:
         entry = self.held.pop(token, None)
         if entry is None:
             return
-        self._loops.release(self.pins, self.freed, self.blocks, self._tick, entry[0])
+        _release(self.pins, self.freed, self.blocks, self._tick, entry[0])
 
     def doomed(self, capacity_blocks: int, output_blocks: int, now: float = 0.0) -> int:
         """The cached blocks the replica will have evicted before a request routed here now is
@@ -654,7 +625,7 @@ class ReplicaView:
                 and self.predictions_expired >= HASH_REFUTE_AFTER_BLOCKS
             ):
                 self.hashes_match = False
-        return self._loops.prefix(blocks, pending, self.freed, keys, doomed)
+        return _prefix(blocks, pending, self.freed, keys, doomed)
 
 
 def _first(blocks: dict[int, None], n: int) -> list[int]:

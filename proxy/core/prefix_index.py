@@ -22,10 +22,8 @@ entries once warm; what it forgets first is what was touched least recently.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from types import ModuleType
+from collections.abc import Iterable, Sequence
 
-from proxy.core.native import module_for
 from proxy.core.reach import mask_of, prefix_reach
 
 HAS_CHILD = 1
@@ -34,9 +32,6 @@ REQUEST_END = 4
 _FP_SHIFT = 3
 _FP_MASK = 0xFFFF
 _HOLDERS_SHIFT = 19
-# The same layout, in this order, is defined again in proxy/core/_native.c (its C walk and
-# writes read values as 64-bit words); the module exports its copy and must match this one.
-INDEX_LAYOUT = (HAS_CHILD, BRANCHING, REQUEST_END, _FP_SHIFT, _FP_MASK, _HOLDERS_SHIFT)
 
 # 32 replicas behind one proxy process is far beyond the recipe's 2 and keeps each packed value
 # within two 30-bit int digits (32 bytes); raise it with PROXY_MAX_REPLICAS for bigger fleets.
@@ -46,21 +41,9 @@ DEFAULT_MAX_REPLICAS = 32
 # (reach per replica, depth of the common preamble): reach.py's prefix_reach result.
 _Reach = tuple[dict[int, int], int]
 
-# The C extension packs values into 64 bits: 19 flag and fingerprint bits plus one per replica.
-MAX_NATIVE_REPLICAS = 64 - _HOLDERS_SHIFT
-
 
 class PrefixIndex:
-    """``use_native``: write a recorded chain's values in C (proxy/core/_native.c's
-    ``record_chain``, the same values as ``_updated`` and the links below; None: when the
-    extension is built); only up to MAX_NATIVE_REPLICAS replicas, beyond that always Python."""
-
-    def __init__(
-        self,
-        capacity: int,
-        max_replicas: int = DEFAULT_MAX_REPLICAS,
-        use_native: bool | None = None,
-    ) -> None:
+    def __init__(self, capacity: int, max_replicas: int = DEFAULT_MAX_REPLICAS) -> None:
         if capacity < 2:
             raise ValueError("index capacity must be >= 2 blocks")
         if max_replicas < 1:
@@ -72,22 +55,6 @@ class PrefixIndex:
         self._old: dict[int, int] = {}
         self._replica_mask = (1 << max_replicas) - 1
         self.evictions = 0
-        module = module_for(use_native)
-        self._record_chain: Callable[[dict[int, int], Sequence[int], Sequence[int], int], None]
-        self._record_chain = _record_chain
-        self._walk: Callable[[Sequence[int], int, Sequence[int]], _Reach | None] | None = None
-        # The extension whose C functions read and write this index (None: Python only);
-        # Router's one-call route (_native.c's route_tokens) works on the same two dicts.
-        self.native: ModuleType | None = None
-        if module is not None and module.INDEX_LAYOUT != INDEX_LAYOUT:
-            raise RuntimeError(
-                f"proxy.core._native packs index values as {module.INDEX_LAYOUT}, "
-                f"prefix_index.py as {INDEX_LAYOUT}: rebuild the extension (make setup)"
-            )
-        if module is not None and max_replicas <= MAX_NATIVE_REPLICAS:
-            self._record_chain = module.record_chain
-            self._walk = module.prefix_walk
-            self.native = module
 
     def __len__(self) -> int:
         return len(self._young) + len(self._old)
@@ -145,14 +112,7 @@ class PrefixIndex:
 
     def reach(self, values: Sequence[int], count: int, replicas: Sequence[int]) -> _Reach:
         """reach.py's ``prefix_reach`` over the first ``count`` (>= 0) looked-up ``values``: (blocks
-        each of ``replicas`` holds from the first on, depth of the common preamble). In C when
-        the extension runs (proxy/core/_native.c's ``prefix_walk``: one pass, none of the
-        intermediate lists; it answers None, and this reference decides, for anything outside
-        64-bit values and replica indices below MAX_NATIVE_REPLICAS)."""
-        if self._walk is not None:
-            walked = self._walk(values, count, replicas)
-            if walked is not None:
-                return walked
+        each of ``replicas`` holds from the first on, depth of the common preamble)."""
         values = values[:count]
         eligible = mask_of(replicas)
         return prefix_reach(self.held(values, eligible), self.branching(values), eligible, replicas)
@@ -183,7 +143,7 @@ class PrefixIndex:
             self.evictions += len(self._old)
             self._old = young
             young = self._young = {}
-        self._record_chain(young, keys, known, holder)
+        _record_chain(young, keys, known, holder)
 
     def _record_each(self, keys: Sequence[int], holder: int) -> None:
         values = [self._get(key) or 0 for key in keys]
@@ -211,7 +171,7 @@ def _record_chain(
     young: dict[int, int], keys: Sequence[int], known: Sequence[int], holder: int
 ) -> None:
     """Write the chain ``keys`` into ``young``: the ``known`` leading blocks updated, the rest
-    fresh links, the last one a request's end (the reference of _native.c's record_chain)."""
+    fresh links, the last one a request's end."""
     k, n = len(known), len(keys)
     young.update(zip(keys[:k], _updated(keys, known, holder), strict=True))
     last = n - 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from array import array
 
 import pytest
 
@@ -185,6 +186,25 @@ def test_completion_is_remembered_so_the_next_turn_matches_it_too() -> None:
     d = router.route(key(turn2), fleet.loads())
     assert d.replica == first.replica and d.outcome == "affinity"
     assert d.matched_blocks >= (len(p) + len(completion)) // 16 - 4  # beyond the template
+
+
+@pytest.mark.parametrize("use_native", [False, None], ids=["python", "auto"])
+def test_a_continuation_hits_after_the_block_size_is_learned(use_native: bool | None) -> None:
+    """The replicas' block size (32 on vLLM's CPU backend) replaces the default 16 after start:
+    a completion is then learned in 32-token blocks too, so the next turn matches prompt and
+    completion, not just the prompt."""
+    router = Router(FastHasher(16, use_native), PrefixIndex(100_000), PrefixAffinity(8))
+    router.use_hasher(FastHasher(32, use_native))
+    rng = random.Random(12)
+    p = array("I", [rng.randrange(50_000) for _ in range(100)])  # 3 full blocks, 4 of tail
+    loads = [(0, 0.0), (1, 0.0)]
+    first = router.route(key(p), loads)  # type: ignore[arg-type]
+    completion = [rng.randrange(50_000) for _ in range(60)]
+    router.record_completion(key(p), first, completion)  # type: ignore[arg-type]
+    turn2 = [*p, *completion, *range(40)]  # 200 tokens: prompt + completion = 5 full blocks
+    d = router.route(key(turn2), loads)
+    assert d.replica == first.replica and d.outcome == "affinity"
+    assert d.matched_blocks == (len(p) + len(completion)) // 32
 
 
 def test_a_rollout_finishing_after_a_cache_clearing_pause_is_remembered() -> None:
