@@ -361,7 +361,8 @@ class CostBased(_RoundRobinTies):
             ]
         else:
             costs = [self.model.cost(c) for c in candidates]
-        own_wait = self._own_wait_beyond_fleet(candidates)
+        # Some capacity unknown (fleet_capacity 0): no memory term is priced anywhere.
+        own_wait = self._own_wait_beyond_fleet(candidates) if fleet_capacity else None
         if own_wait is not None:
             costs = [cost + wait for cost, wait in zip(costs, own_wait, strict=True)]
         low = min(costs)

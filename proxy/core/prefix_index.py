@@ -32,6 +32,7 @@ REQUEST_END = 4
 _FP_SHIFT = 3
 _FP_MASK = 0xFFFF
 _HOLDERS_SHIFT = 19
+_BRANCH_BITS = BRANCHING | REQUEST_END
 
 # 32 replicas behind one proxy process is far beyond the recipe's 2 and keeps each packed value
 # within two 30-bit int digits (32 bytes); raise it with PROXY_MAX_REPLICAS for bigger fleets.
@@ -108,14 +109,19 @@ class PrefixIndex:
     @staticmethod
     def branching(values: Sequence[int]) -> list[bool]:
         """Per looked-up block: two different continuations seen, none ending a request there."""
-        return [v & (BRANCHING | REQUEST_END) == BRANCHING for v in values]
+        return [v & _BRANCH_BITS == BRANCHING for v in values]
 
     def reach(self, values: Sequence[int], count: int, replicas: Sequence[int]) -> _Reach:
         """reach.py's ``prefix_reach`` over the first ``count`` (>= 0) looked-up ``values``: (blocks
         each of ``replicas`` holds from the first on, depth of the common preamble)."""
         values = values[:count]
-        eligible = mask_of(replicas)
-        return prefix_reach(self.held(values, eligible), self.branching(values), eligible, replicas)
+        eligible = mask_of(replicas) << _HOLDERS_SHIFT
+        # Holders and flags masked in place by C-level maps (no bytecode per block); most
+        # chains never branch, and the list of bools is built only when one does.
+        flags = list(map(_BRANCH_BITS.__and__, values))
+        branching = [f == BRANCHING for f in flags] if BRANCHING in flags else []
+        held = list(map(eligible.__and__, values))
+        return prefix_reach(held, branching, eligible, replicas, _HOLDERS_SHIFT)
 
     def record(self, keys: Sequence[int], replica: int, known: Sequence[int] | None = None) -> None:
         """Remember that ``replica`` was sent the prefix ``keys`` (a chain, block 0 first).
@@ -135,6 +141,13 @@ class PrefixIndex:
             return
         if known is None:
             known = self.lookup(keys)
+        end = holder | REQUEST_END
+        if len(known) == n and n and known[n - 1] & end == end:
+            # A prompt sent here before, the usual case for a group's rollouts: a chain through
+            # its last block was recorded for this replica, which gave every block before it this
+            # holder and its link to the next (holders leave only all blocks at once, with
+            # forget_replica; links only gain bits), so rewriting the chain changes nothing.
+            return
         young = self._young
         if len(young) + n > self._half:
             # Make room first, so every block below lands in one generation (known blocks
@@ -173,29 +186,34 @@ def _record_chain(
     """Write the chain ``keys`` into ``young``: the ``known`` leading blocks updated, the rest
     fresh links, the last one a request's end."""
     k, n = len(known), len(keys)
-    young.update(zip(keys[:k], _updated(keys, known, holder), strict=True))
-    last = n - 1
+    if k:
+        young.update(zip(keys, _updated(keys, known, holder)))
     if k < n:
         linked = holder | HAS_CHILD
-        links = [linked | ((nk & _FP_MASK) << _FP_SHIFT) for nk in keys[k + 1 :]]
-        young.update(zip(keys[k:last], links, strict=True))
-        young[keys[last]] = holder | REQUEST_END
+        young.update(
+            zip(keys[k : n - 1], [linked | ((nk & _FP_MASK) << _FP_SHIFT) for nk in keys[k + 1 :]])
+        )
+        young[keys[n - 1]] = holder | REQUEST_END
+
+
+# A value's link to its first child: HAS_CHILD and the child's fingerprint.
+_LINK_MASK = HAS_CHILD | (_FP_MASK << _FP_SHIFT)
 
 
 def _updated(keys: Sequence[int], values: Sequence[int], holder: int) -> list[int]:
     """``values`` (of the leading ``keys``) with ``holder`` added and each block's link to the
-    next one recorded: a first child's fingerprint, or branching when a different one follows."""
-    out = []
-    last = len(keys) - 1
-    for i, value in enumerate(values):
-        value |= holder
-        if i < last:
-            fp = keys[i + 1] & _FP_MASK
-            if not value & HAS_CHILD:
-                value |= HAS_CHILD | (fp << _FP_SHIFT)
-            elif (value >> _FP_SHIFT) & _FP_MASK != fp:
-                value |= BRANCHING
-        else:
-            value |= REQUEST_END
-        out.append(value)
+    next one recorded: a first child's fingerprint, or branching when a different one follows;
+    the chain's last block marked as a request's end."""
+    k = len(values)
+    # One comprehension over the blocks (this runs for every routed request): a block already
+    # linked to this very child, the usual case for a prompt seen before, only gains the holder.
+    links = [HAS_CHILD | ((nk & _FP_MASK) << _FP_SHIFT) for nk in keys[1 : k + 1]]
+    out = [
+        v | holder
+        if v & _LINK_MASK == link
+        else (v | holder | BRANCHING if v & HAS_CHILD else v | holder | link)
+        for v, link in zip(values, links)
+    ]
+    if k == len(keys):
+        out.append(values[k - 1] | holder | REQUEST_END)
     return out
