@@ -187,11 +187,15 @@ def _record_chain(
     fresh links, the last one a request's end."""
     k, n = len(known), len(keys)
     if k:
-        young.update(zip(keys, _updated(keys, known, holder)))
+        young.update(zip(keys, _updated(keys, known, holder), strict=False))  # the known ones
     if k < n:
         linked = holder | HAS_CHILD
         young.update(
-            zip(keys[k : n - 1], [linked | ((nk & _FP_MASK) << _FP_SHIFT) for nk in keys[k + 1 :]])
+            zip(
+                keys[k : n - 1],
+                [linked | ((nk & _FP_MASK) << _FP_SHIFT) for nk in keys[k + 1 :]],
+                strict=True,
+            )
         )
         young[keys[n - 1]] = holder | REQUEST_END
 
@@ -212,7 +216,7 @@ def _updated(keys: Sequence[int], values: Sequence[int], holder: int) -> list[in
         v | holder
         if v & _LINK_MASK == link
         else (v | holder | BRANCHING if v & HAS_CHILD else v | holder | link)
-        for v, link in zip(values, links)
+        for v, link in zip(values, links, strict=False)  # the last block has no link
     ]
     if k == len(keys):
         out.append(values[k - 1] | holder | REQUEST_END)

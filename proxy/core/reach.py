@@ -35,11 +35,12 @@ def prefix_reach(
 
     ``held[d]``: bitmask of the eligible replicas holding block ``d`` (0-based, chain order);
     ``branching[d]``: the proxy saw two different continuations of block ``d`` that do not end
-    a request there (empty when none does). A replica's reach is how many leading blocks it holds; block ``d`` is common
-    when every eligible replica holds it or it branches, and common is inherited by every block
-    before it (``specific`` turns reach into the match that counts as affinity). ``shift``:
-    replica ``r`` is bit ``r + shift`` of ``held`` and ``eligible`` (the prefix index passes its
-    values masked in place, by a C-level map, rather than shifted down block by block)."""
+    a request there (empty when none does). A replica's reach is how many leading blocks it
+    holds; block ``d`` is common when every eligible replica holds it or it branches, and common
+    is inherited by every block before it (``specific`` turns reach into the match that counts
+    as affinity). ``shift``: replica ``r`` is bit ``r + shift`` of ``held`` and ``eligible``
+    (the prefix index passes its values masked in place, by a C-level map, rather than shifted
+    down block by block)."""
     n = len(held)
     common = 0
     if n:
