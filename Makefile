@@ -107,14 +107,3 @@ image-test: setup
 SEEDS ?= 100
 sim: setup
 	$(PY) -m sim $(if $(SEED),--seed $(SEED),--seeds $(SEEDS))
-
-# Opt-in, not part of setup: the routing core (proxy/core/*.py) compiled by mypyc, the .so files
-# beside the sources (git-ignored; they shadow the .py files until `make clean-core`). ~50 s on
-# the 2-core machine; what it buys is in bench/results/overhead.md (proxy-mypyc) and
-# bench/results/micro_request_mypyc.md. scripts/compile_core.py says why it is not the default.
-.PHONY: compile-core clean-core
-compile-core: setup
-	$(PY) scripts/compile_core.py
-
-clean-core: setup
-	$(PY) scripts/compile_core.py --clean

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import random
 from array import array
+from collections.abc import Sequence
 
 import pytest
 
 from proxy.core.extract import RoutingKey
 from proxy.core.hashing import MAX_CHAIN_TAILS, FastHasher, Namespace, make_hasher
-from proxy.core.policy import CostBased, PrefixAffinity
+from proxy.core.policy import Candidate, CostBased, Decision, PrefixAffinity, RoundRobinTies
 from proxy.core.prefix_index import PrefixIndex
 from proxy.core.router import Router
 
@@ -138,10 +139,18 @@ def test_last_token_is_never_counted_as_a_hit() -> None:
     assert max(matches.values()) <= 1
 
 
-def test_baseline_policies_skip_hashing() -> None:
-    from proxy.core.policy import RoundRobin
+class LoadOnly(RoundRobinTies):
+    """A policy that reads no prefixes (the bench's baselines are such)."""
 
-    router = Router(FastHasher(16), PrefixIndex(10), RoundRobin())
+    name = "load_only"
+    uses_prefix = False
+
+    def choose(self, candidates: Sequence[Candidate]) -> Decision:
+        return Decision(self._least_loaded(candidates).replica, "unmatched", 0)
+
+
+def test_policies_without_prefixes_skip_hashing() -> None:
+    router = Router(FastHasher(16), PrefixIndex(10), LoadOnly())
     router.route(key(list(range(64))), [(0, 0.0), (1, 0.0)])
     assert len(router.index) == 0
 
@@ -260,15 +269,13 @@ def test_cached_namespaces_follow_purges_and_stay_bounded(monkeypatch: pytest.Mo
     assert len(router.hasher._seeds) <= 4  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize(
-    ("name", "learns"),
-    [("cost", True), ("prefix", True), ("round_robin", False), ("least_loaded", False)],
-)
-def test_only_prefix_aware_policies_learn_completions(name: str, learns: bool) -> None:
+@pytest.mark.parametrize(("policy", "learns"), [("cost", True), ("prefix", True), ("load", False)])
+def test_only_prefix_aware_policies_learn_completions(policy: str, learns: bool) -> None:
     """The data path skips reading a completion's ids when the router would learn nothing."""
     from proxy.core.policy import make_policy
 
-    router = Router(FastHasher(16), PrefixIndex(100_000), make_policy(name, 8))
+    chosen = LoadOnly() if policy == "load" else make_policy(policy, 8)
+    router = Router(FastHasher(16), PrefixIndex(100_000), chosen)
     assert router.learns_completions is learns
     p = list(range(40))
     decision = router.route(key(p), [(0, 0.0), (1, 0.0)])
