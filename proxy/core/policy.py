@@ -253,14 +253,20 @@ class CostBased(RoundRobinTies):
     def _projected_excess(self, candidates: Sequence[Candidate]) -> tuple[float, int]:
         """(contexts the fleet will carry beyond what its caches hold, fleet capacity in
         tokens); (0, 0) while any candidate's capacity is unknown."""
-        in_flight = 1.0 + sum(c.load for c in candidates if c.load > 0.0)
-        decayed = self.concurrency * (1.0 - 1.0 / CONCURRENCY_MEMORY_DECISIONS)
-        self.concurrency = max(in_flight, decayed)
+        loads = 0.0
         fleet_capacity = 0
+        known = True
         for c in candidates:
-            if c.kv_capacity_tokens <= 0:
-                return 0.0, 0
-            fleet_capacity += c.kv_capacity_tokens
+            if c.load > 0.0:
+                loads += c.load
+            if c.kv_capacity_tokens > 0:
+                fleet_capacity += c.kv_capacity_tokens
+            else:
+                known = False
+        decayed = self.concurrency * (1.0 - 1.0 / CONCURRENCY_MEMORY_DECISIONS)
+        self.concurrency = max(1.0 + loads, decayed)
+        if not known:
+            return 0.0, 0
         # Each context in flight is taken to be this one's size (prompt + expected output):
         # the proxy does not see the others' growth, and a group's members share this shape.
         context = max(candidates[0].prompt_tokens, 0) + self.model.expected_output_tokens
@@ -347,8 +353,11 @@ class CostBased(RoundRobinTies):
         low = min(costs)
         # Costs are sums of products of small integers and constants: equal inputs give
         # bit-identical floats, so exact comparison finds the real ties.
-        pick = self._pick([c for c, cost in zip(candidates, costs, strict=True) if cost == low])
-        best_match = max(c.matched for c in candidates)
+        if costs.count(low) == 1:
+            pick = candidates[costs.index(low)]  # no tie: the rotation does not advance
+        else:
+            pick = self._pick([c for c, cost in zip(candidates, costs, strict=True) if cost == low])
+        best_match = max([c.matched for c in candidates])
         if best_match == 0:
             return Decision(pick.replica, "unmatched", 0)
         outcome: Outcome = "affinity" if pick.matched == best_match else "spilled"

@@ -103,23 +103,32 @@ class Router:
         the chosen replica now holds the request's prefix."""
         if not loads:
             raise ValueError("no eligible replica")
-        if not self.policy.uses_prefix:
-            return self.policy.choose([Candidate(r, load, 0) for r, load in loads])
-        blocks = self.block_keys(key, lora_path)
-        bs = self.block_size
+        policy = self.policy
+        if not policy.uses_prefix:
+            return policy.choose([Candidate(r, load, 0) for r, load in loads])
+        tokens = key.tokens
+        namespace = self.namespace(key, lora_path)
+        if tokens is not None:
+            blocks = self.hasher.hash_tokens(tokens, namespace)
+            length = len(tokens)
+        else:
+            assert key.text is not None
+            blocks = self.hasher.hash_text(key.text, namespace)
+            length = key.length
+        bs = self.hasher.block_size
         # vLLM always recomputes the last prompt token, so at most (len-1)//bs blocks can hit.
-        matchable = max(0, (key.length - 1) // bs)
+        matchable = (length - 1) // bs if length else 0
         # One lookup of every block: scoring reads the matchable ones, recording reuses them all.
-        values = self.index.lookup(blocks)
+        index = self.index
+        values = index.lookup(blocks)
         # Text prompts without a tokenizer hash approximately: only token ids match vLLM's keys.
-        precise = self.precise if key.tokens is not None else None
+        precise = self.precise if tokens is not None else None
         replicas = [r for r, _ in loads]
         if precise is None:
-            reach, common = self.index.reach(values, matchable, replicas)
+            reach, common = index.reach(values, matchable, replicas)
         else:
             event_keys = self._event_keys(key, lora_path, blocks[:matchable])
-            reach, common = precise.reach(self.index, values[:matchable], event_keys, replicas)
-        length = key.length
+            reach, common = precise.reach(index, values[:matchable], event_keys, replicas)
         capacity = self.kv_capacity_tokens
         candidates = []
         for r, load in loads:
@@ -135,8 +144,8 @@ class Router:
             held = d if precise is not None else max(d, common)
             new = length - held * bs
             candidates.append(Candidate(r, load, matched, new, length, capacity.get(r, 0)))
-        decision = self.policy.choose(candidates)
-        self.index.record(blocks, decision.replica, values)
+        decision = policy.choose(candidates)
+        index.record(blocks, decision.replica, values)
         # The policy's decision is a fresh object of this request's: completed in place.
         decision.blocks = tuple(blocks)
         if precise is not None:
