@@ -66,8 +66,8 @@ EXPECTED_OUTPUT_TOKENS = int(CostModel().expected_output_tokens)
 # request really reserves is its own output (the simulator allocates exactly that at admission;
 # vLLM allocates it step by step, so the pool a queue finds holds the running requests' outputs
 # so far), never the cost model's 600 when the run's requests generate far less (the tight
-# benchmark's answers: mean 266 tokens, median 253, max 500 on seed 0; bench/results/kv_events.md,
-# round 8). 256 answers: a GRPO step's worth of rollouts (TRL's batch x group), so the mean
+# benchmark's answers: mean 266 tokens, median 253, max 500 on seed 0; bench/results/
+# kv_events.md). 256 answers: a GRPO step's worth of rollouts (TRL's batch x group), so the mean
 # follows the policy's answer length from one step to the next.
 OUTPUT_WINDOW = 256
 # The longest answer counted: 131,072 tokens, the longest context of the models served today
@@ -94,8 +94,8 @@ class MalformedBatch(ValueError):
 
 class KvEvent(NamedTuple):
     """One parsed event. A named tuple built by ``tuple.__new__``, not a frozen dataclass: ~130
-    are built per routed request on the tight benchmark, and the dataclass's __init__ cost
-    0.9 us of the 1.2 us parse per event, ``tuple.__new__`` ~0.25 (measured on this machine)."""
+    are built per routed request on the tight benchmark, and a dataclass's __init__ would be
+    most of the parse per event; ``tuple.__new__`` is a fraction of it."""
 
     kind: str  # STORED, REMOVED or CLEARED
     keys: tuple[int, ...] = ()
@@ -782,8 +782,8 @@ class PreciseMatcher:
         replica this rollout (or its group) last ran on: sending it back keeps each replica's
         cache working on its own rollouts, where placing it by load moves it, and a moved
         rollout's next turns and its group's remaining rollouts rebuild their history in a
-        second cache while the first still holds what survived of it. Measured on the tight
-        workload (bench/results/kv_events.md): "unmatched" decisions fell from 11-15% to 2-5%
+        second cache while the first still holds what survived of it. On the tight workload
+        (bench/results/kv_events.md) "unmatched" decisions fell from 11-15% to 2-5%
         (the index's own share) and events stopped losing hits at 4 and 16 replicas. The
         prediction recorded for the replica's answer stays the views' own.
 
@@ -791,9 +791,9 @@ class PreciseMatcher:
         (or about to be, ``ReplicaView.doomed``) but no other replica holding more: the request
         prefills no less elsewhere, so moving it by load only moves the rollout. On tight x4 the
         decisions where events and the index differed were mostly these (bench/results/
-        kv_events.md, round 7). A replica the views show holding more than the home does (a
+        kv_events.md). A replica the views show holding more than the home does (a
         group sibling's blocks, another client's) still draws the request."""
-        # Runs for every request with a live view: the index's walk in C (PrefixIndex.reach).
+        # Runs for every request with a live view: the index's walk (PrefixIndex.reach).
         reach, common = index.reach(values, len(values), replicas)
         best = max(reach.values(), default=0)
         if best <= common:

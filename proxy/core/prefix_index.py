@@ -114,7 +114,8 @@ class PrefixIndex:
     def reach(self, values: Sequence[int], count: int, replicas: Sequence[int]) -> _Reach:
         """reach.py's ``prefix_reach`` over the first ``count`` (>= 0) looked-up ``values``: (blocks
         each of ``replicas`` holds from the first on, depth of the common preamble)."""
-        values = values[:count]
+        if count < len(values):
+            values = values[:count]
         eligible = mask_of(replicas) << _HOLDERS_SHIFT
         # Holders and flags masked in place by C-level maps (no bytecode per block); most
         # chains never branch, and the list of bools is built only when one does.

@@ -42,6 +42,15 @@ def prefix_reach(
     (the prefix index passes its values masked in place, by a C-level map, rather than shifted
     down block by block)."""
     n = len(held)
+    if n and held.count(held[0]) == n:
+        # Every block held by the same replicas (a prompt only ever sent whole): one C-level
+        # count says it, and each replica holds all of the chain or none of it.
+        first = held[0]
+        common = n if first == eligible else 0
+        if not common and True in branching:
+            common = n - branching[::-1].index(True)
+        first >>= shift
+        return {r: n if first >> r & 1 else 0 for r in replicas}, common
     common = 0
     if n:
         # The deepest common block, found from the deep end by C-level list searches.
@@ -49,11 +58,6 @@ def prefix_reach(
             common = n - held[::-1].index(eligible)
         if True in branching:
             common = max(common, n - branching[::-1].index(True))
-    if n and held.count(held[0]) == n:
-        # Every block held by the same replicas (a prompt only ever sent whole): one C-level
-        # count says it, and each replica holds all of the chain or none of it.
-        first = held[0] >> shift
-        return {r: n if first >> r & 1 else 0 for r in replicas}, common
     reach = dict.fromkeys(replicas, 0)
     # holding[d]: the replicas holding every block up to d. It only ever loses replicas, so each
     # value it takes is one contiguous run, measured with a C-level count: one step per replica

@@ -141,7 +141,7 @@ class Router:
             # new prompts sharing a system prompt over the fleet instead of sending each one
             # after the first (priced as missing where never sent, 12 groups in a row went to
             # one of 2 idle replicas: test_group_of_eight_lands_on_one_replica...).
-            held = d if precise is not None else max(d, common)
+            held = d if precise is not None or d > common else common
             new = length - held * bs
             candidates.append(Candidate(r, load, matched, new, length, capacity.get(r, 0)))
         decision = policy.choose(candidates)
