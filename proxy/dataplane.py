@@ -46,10 +46,14 @@ RELAYED_HEADERS = ("content-type", "x-request-id", "cache-control")
 RETRIED_STATUSES = frozenset({500, 502, 503})
 
 
-def _relay_headers(reply: Reply, replica: int, request_id: str) -> list[tuple[bytes, bytes]]:
+def _relay_headers(
+    reply: Reply, replica: int, request_id: str, weight_version: bytes | None = None
+) -> list[tuple[bytes, bytes]]:
     """The answer's headers: RELAYED_HEADERS as the replica sent them, then ``x-proxy-replica``,
-    and ``x-request-id`` set to the request's (in the replica's place if it sent one, else
-    last). Built straight as the raw pairs the server writes (no dict, one pass)."""
+    ``x-proxy-weight-version`` when a merged-weight group exists (the weights the replica held
+    when its answer arrived: proxy/core/weights.py), and ``x-request-id`` set to the request's
+    (in the replica's place if it sent one, else last). Built straight as the raw pairs the
+    server writes (no dict, one pass)."""
     got = reply.headers
     rid = request_id.encode("latin-1")
     raw = []
@@ -63,6 +67,8 @@ def _relay_headers(reply: Reply, replica: int, request_id: str) -> list[tuple[by
             else:
                 raw.append((name_bytes, value.encode("latin-1")))
     raw.append((b"x-proxy-replica", _REPLICA_LABELS[replica] if replica < 64 else b"%d" % replica))
+    if weight_version is not None:
+        raw.append((b"x-proxy-weight-version", weight_version))
     if not echoed:
         raw.append((b"x-request-id", rid))
     return raw
@@ -76,6 +82,16 @@ _LABELS = [str(i) for i in range(64)]
 
 
 _TOKEN_IDS = b'"token_ids"'
+
+
+def _weights(fleet: Fleet, replica: Replica) -> bytes | None:
+    """X-Proxy-Weight-Version's value: the merged weights ``replica`` holds as its answer
+    arrives (a request frozen by a pause finishes on the weights of the sync that followed);
+    None when no weight-transfer group exists. Labels are printable ASCII (core/weights.py)."""
+    if not fleet.weights.active:
+        return None
+    w = replica.weights
+    return (w.version if w.version is not None else str(w.seq)).encode("ascii")
 
 
 def completion_token_ids(content: bytes) -> list[int] | None:
@@ -114,7 +130,34 @@ def _lost_adapter(reply: Reply, model: str) -> bool:
     )
 
 
+class _Request:
+    """One completion on its way through ``DataPlane.forward``: what every attempt re-sends."""
+
+    __slots__ = ("headers", "key", "lora_path", "path", "raw", "request_id", "route", "started")
+
+    def __init__(
+        self, route: str, path: str, raw: bytes, key: RoutingKey, request_id: str, started: float
+    ) -> None:
+        self.route = route
+        self.path = path
+        self.raw = raw
+        self.key = key
+        self.request_id = request_id
+        self.started = started
+        self.headers = {"content-type": "application/json", "x-request-id": request_id}
+        self.lora_path: str | None = None
+
+
+# What a replica's reply means for the request (``DataPlane._classify``).
+_RETRY, _STREAM, _ANSWER = "retry", "stream", "answer"
+
+
 class DataPlane:
+    """The request loop, in layers: ``forward`` refuses while routing is misconfigured, then
+    picks a replica and attempts it until an attempt gives the client an answer (the module's
+    retry rule); ``_attempt`` sends to one replica and classifies its reply; ``_account``
+    records what a relayed answer teaches (index, KV-event predictions, metrics)."""
+
     def __init__(
         self,
         fleet: Fleet,
@@ -122,8 +165,8 @@ class DataPlane:
         relay: Relay,
         metrics: Metrics,
         eject: Callable[[Replica, str], None],
-        routing_error: Callable[[], str | None],
         guard: Guard | None = None,
+        kv_events: KvEvents | None = None,
     ) -> None:
         # The guard masks the upstream token should a replica ever echo it (the data path runs
         # outside the security middleware that does this for FastAPI's routes).
@@ -133,8 +176,44 @@ class DataPlane:
         self.relay = relay
         self.metrics = metrics
         self.eject = eject
-        self.routing_error = routing_error
-        self.kv_events: KvEvents | None = None  # PROXY_KV_EVENTS: checks hit predictions
+        self.kv_events = kv_events  # PROXY_KV_EVENTS: checks hit predictions
+        # Why no request can be routed (the replicas disagree on block size or hash algorithm;
+        # set by app.configure_routing), or None.
+        self.routing_error: str | None = None
+
+    async def forward(
+        self, route: str, path: str, raw: bytes, key: RoutingKey, request_id: str, started: float
+    ) -> RelayedBody | RelayedStream:
+        """Route one completion and relay its answer (or raise the error that explains why
+        there is none)."""
+        if self.routing_error is not None:
+            raise UpstreamUnavailable(self.routing_error)
+        request = _Request(route, path, raw, key, request_id, started)
+        request.lora_path = self.fleet.lora_path(key.model)
+        tried: set[int] = set()
+        while True:
+            replica, decision = self._pick(request, tried)
+            tried.add(replica.index)
+            answer = await self._attempt(request, replica, decision, tried)
+            if answer is not None:
+                return answer
+
+    def _pick(self, request: _Request, tried: set[int]) -> tuple[Replica, Decision]:
+        """The replica the router picks among the eligible ones not tried yet."""
+        fleet = self.fleet
+        model = request.key.model
+        eligible = fleet.eligible(model)
+        if tried:
+            eligible = [r for r in eligible if r.index not in tried]
+        if not eligible:
+            raise self._no_replica(model, tried)
+        decision = self.router.route(
+            request.key,
+            [(r.index, r.in_flight + r.queue_depth) for r in eligible],
+            request.lora_path,
+        )
+        self.metrics.count_decision(decision.outcome, decision.matched_blocks)
+        return fleet.replicas[decision.replica], decision
 
     def _no_replica(self, model: str, tried: set[int]) -> Exception:
         if not self.fleet.is_base_model(model) and not self.fleet.known_anywhere(model):
@@ -151,121 +230,137 @@ class DataPlane:
             status_code=503,
         )
 
-    async def forward(
-        self, route: str, path: str, raw: bytes, key: RoutingKey, request_id: str, started: float
-    ) -> RelayedBody | RelayedStream:
-        # Every completion runs this, so it is written for the first attempt's sake: locals
-        # for what is read more than once, the in-flight count (read by /metrics, app.py)
-        # kept inline, nothing built for a retry that does not happen.
-        problem = self.routing_error()
-        if problem:
-            raise UpstreamUnavailable(problem)
-        fleet = self.fleet
-        model = key.model
-        stream = key.stream
-        tried: set[int] = set()
-        headers = {"content-type": "application/json", "x-request-id": request_id}
-        lora_path = fleet.lora_path(model)
-        while True:
-            eligible = fleet.eligible(model)
-            if tried:
-                eligible = [r for r in eligible if r.index not in tried]
-            if not eligible:
-                raise self._no_replica(model, tried)
-            decision = self.router.route(
-                key, [(r.index, r.in_flight + r.queue_depth) for r in eligible], lora_path
-            )
-            self.metrics.count_decision(decision.outcome, decision.matched_blocks)
-            replica = fleet.replicas[decision.replica]
-            index = replica.index
-            tried.add(index)
-            replica.in_flight += 1
+    async def _attempt(
+        self, request: _Request, replica: Replica, decision: Decision, tried: set[int]
+    ) -> RelayedBody | RelayedStream | None:
+        """Send the request to ``replica`` and make its reply the client's answer; None: try
+        another replica. The replica counts the request in flight from the send until its
+        answer is read, or, for a stream, until the stream ends (``RelayedStream.finish``),
+        however the attempt ends."""
+        stream = request.key.stream
+        relayed: RelayedStream | None = None
+        replica.in_flight += 1
+        try:
             sent_at = time.perf_counter()
             try:
-                reply = await self.relay.post(index, replica.url, path, raw, headers, stream)
+                reply = await self.relay.post(
+                    replica.index, replica.url, request.path, request.raw, request.headers, stream
+                )
                 if stream and reply.status != 200:
                     # An error is a small JSON body, not a stream: read it, so that it can be
                     # retried or relayed like any other answer.
                     reply.body = b"".join([c async for c in reply.chunks()])
                     await reply.close()
             except ReplicaUnreachable as exc:
-                replica.in_flight -= 1
                 self.eject(replica, exc.message)
-                continue
+                return None
             except ReplicaBroken as exc:
-                replica.in_flight -= 1
-                log.warning("request %s: %s; retrying elsewhere", request_id, exc.message)
-                continue
-            except BaseException:
-                replica.in_flight -= 1
-                raise
-            status = reply.status
-            if lora_path is not None and _lost_adapter(reply, model):
+                log.warning("request %s: %s; retrying elsewhere", request.request_id, exc.message)
+                return None
+            verdict = self._classify(request, replica, reply, tried)
+            if verdict is _RETRY:
                 await reply.close()
-                replica.in_flight -= 1
-                replica.adapters.pop(model, None)
-                if replica.status is Status.READY:
-                    replica.status = Status.RECONCILING
-                replica.needs_reconcile = True
-                log.warning(
-                    "replica %d lost adapter %s; reconciling it, retrying elsewhere", index, model
+                return None
+            if verdict is _STREAM:
+                relayed = RelayedStream(
+                    self,
+                    request.route,
+                    replica,
+                    reply,
+                    request.request_id,
+                    sent_at,
+                    sent_at - request.started,
+                    _weights(self.fleet, replica),
                 )
-                continue
-            if status in RETRIED_STATUSES and any(
-                r.index not in tried for r in fleet.eligible(model)
-            ):
-                await reply.close()
-                replica.in_flight -= 1
-                self.metrics.count_request(route, str(index), status)
-                log.warning(
-                    "request %s: replica %d answered %d; retrying elsewhere",
-                    request_id,
-                    index,
-                    status,
-                )
-                continue
-            if stream and status == 200:
-                routed = sent_at - started
-                return RelayedStream(self, route, replica, reply, request_id, sent_at, routed)
+                return relayed
             if not reply.released:  # (the lean pool's buffered replies are: no coroutine to run)
                 await reply.close()
             upstream_s = time.perf_counter() - sent_at
-            replica.in_flight -= 1
-            if (
-                status == 200
-                and key.tokens is not None
-                and key.num_prompts == 1
-                and self.router.learns_completions
-            ):
-                self._remember_completion(key, decision, reply.body, lora_path)
-            if self.kv_events is not None:
-                self.kv_events.observe(decision, reply.body)
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug(
-                    "request %s: %s -> replica %d, %d in %.1f ms (%s, %d blocks matched)",
-                    request_id,
-                    route,
-                    index,
-                    status,
-                    upstream_s * 1e3,
-                    decision.outcome,
-                    decision.matched_blocks,
-                    extra={
-                        "request_id": request_id,
-                        "route": route,
-                        "replica": index,
-                        "status": status,
-                        "outcome": decision.outcome,
-                        "matched_blocks": decision.matched_blocks,
-                        "upstream_ms": round(upstream_s * 1e3, 2),
-                    },
-                )
-            result = RelayedBody(reply, index, request_id, self.guard)
-            proxy_s = time.perf_counter() - started - upstream_s
-            self.metrics.answered(
-                route, _LABELS[index] if index < 64 else str(index), status, upstream_s, proxy_s
+        finally:
+            if relayed is None:
+                replica.in_flight -= 1
+        return self._account(request, replica, decision, reply, upstream_s)
+
+    def _classify(self, request: _Request, replica: Replica, reply: Reply, tried: set[int]) -> str:
+        """What ``reply`` means: retry elsewhere (``_RETRY``; a replica that lost the adapter
+        is sent for reconciliation), relay a stream (``_STREAM``) or a buffered answer
+        (``_ANSWER``)."""
+        status = reply.status
+        model = request.key.model
+        if request.lora_path is not None and _lost_adapter(reply, model):
+            replica.adapters.pop(model, None)
+            if replica.status is Status.READY:
+                replica.status = Status.RECONCILING
+            replica.needs_reconcile = True
+            log.warning(
+                "replica %d lost adapter %s; reconciling it, retrying elsewhere",
+                replica.index,
+                model,
             )
-            return result
+            return _RETRY
+        if status in RETRIED_STATUSES and any(
+            r.index not in tried for r in self.fleet.eligible(model)
+        ):
+            self.metrics.count_request(request.route, str(replica.index), status)
+            log.warning(
+                "request %s: replica %d answered %d; retrying elsewhere",
+                request.request_id,
+                replica.index,
+                status,
+            )
+            return _RETRY
+        return _STREAM if request.key.stream and status == 200 else _ANSWER
+
+    def _account(
+        self,
+        request: _Request,
+        replica: Replica,
+        decision: Decision,
+        reply: Reply,
+        upstream_s: float,
+    ) -> RelayedBody:
+        """A buffered answer, relayed: what it teaches the router and the KV-event views, its
+        log line and its metrics."""
+        key = request.key
+        index = replica.index
+        status = reply.status
+        if (
+            status == 200
+            and key.tokens is not None
+            and key.num_prompts == 1
+            and self.router.learns_completions
+        ):
+            self._remember_completion(key, decision, reply.body, request.lora_path)
+        if self.kv_events is not None:
+            self.kv_events.observe(decision, reply.body)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "request %s: %s -> replica %d, %d in %.1f ms (%s, %d blocks matched)",
+                request.request_id,
+                request.route,
+                index,
+                status,
+                upstream_s * 1e3,
+                decision.outcome,
+                decision.matched_blocks,
+                extra={
+                    "request_id": request.request_id,
+                    "route": request.route,
+                    "replica": index,
+                    "status": status,
+                    "outcome": decision.outcome,
+                    "matched_blocks": decision.matched_blocks,
+                    "upstream_ms": round(upstream_s * 1e3, 2),
+                },
+            )
+        result = RelayedBody(
+            reply, index, request.request_id, self.guard, _weights(self.fleet, replica)
+        )
+        proxy_s = time.perf_counter() - request.started - upstream_s
+        self.metrics.answered(
+            request.route, _LABELS[index] if index < 64 else str(index), status, upstream_s, proxy_s
+        )
+        return result
 
     def _remember_completion(
         self, key: RoutingKey, decision: Decision, content: bytes, lora_path: str | None
@@ -293,11 +388,18 @@ class RelayedBody(Response):
     builds a header object model on every request, which cost more than routing the request
     in the profile; this is still a ``Response`` to anything that checks."""
 
-    def __init__(self, reply: Reply, replica: int, request_id: str, guard: Guard | None) -> None:
+    def __init__(
+        self,
+        reply: Reply,
+        replica: int,
+        request_id: str,
+        guard: Guard | None,
+        weight_version: bytes | None = None,
+    ) -> None:
         # Deliberately not calling Response.__init__ (that is the cost being avoided).
         self.status_code = reply.status
         self.background = None
-        raw = _relay_headers(reply, replica, request_id)
+        raw = _relay_headers(reply, replica, request_id, weight_version)
         body = reply.body
         if guard is not None:
             body = guard.mask_body(body)
@@ -331,6 +433,7 @@ class RelayedStream(Response):
         request_id: str,
         sent_at: float,
         routed: float,
+        weight_version: bytes | None = None,
     ) -> None:
         self.plane = plane
         self.route = route
@@ -340,7 +443,7 @@ class RelayedStream(Response):
         self.routed = routed
         self.status_code = reply.status
         self.background = None
-        self.raw_headers = _relay_headers(reply, replica.index, request_id)
+        self.raw_headers = _relay_headers(reply, replica.index, request_id, weight_version)
         if plane.guard is not None:
             self.raw_headers = plane.guard.mask_headers(self.raw_headers)
         self.client_left = False

@@ -79,10 +79,18 @@ class PayloadTooLarge(ProxyError):
 
 
 class NotSupported(ProxyError):
-    """A request the fleet cannot serve as a whole (e.g. NCCL weight transfer to N replicas)."""
+    """A request the fleet cannot serve as a whole (e.g. KV-event state with the feature off)."""
 
     status_code = 501
     error_type = "NotImplementedError"
+
+
+class Conflict(ProxyError):
+    """A request that does not fit the proxy's current state (e.g. a weight update with no
+    weight-transfer group formed through this proxy)."""
+
+    status_code = 409
+    error_type = "ConflictError"
 
 
 class UpstreamUnavailable(ProxyError):

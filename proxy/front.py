@@ -1,13 +1,9 @@
-"""Completions answered from uvicorn's HTTP protocol object, without ASGI in between
-(``PROXY_HOT_PATH=protocol``, the default).
+"""Completions answered from uvicorn's HTTP protocol object, without ASGI in between.
 
-Why. Measured on the 2-core dev machine (issue 12, ``python -m bench.run_overhead``), a bare
-pass-through on uvicorn's ASGI interface costs ~200-230 us of CPU per request with the proxy's
-own upstream client, and the same relay written as protocol callbacks costs ~60 us: per request,
-uvicorn builds a ``RequestResponseCycle``, an ``asyncio.Event``, a task, and the ASGI message
-dicts, and every ``receive``/``send`` is a coroutine call. vllm-router, the yardstick, costs
-~340 us per request there, and issue 12 asks for 0.6x of it *including* routing, so that layer
-had to go for the one route that carries every rollout.
+Why. Per request, uvicorn's ASGI interface builds a ``RequestResponseCycle``, an
+``asyncio.Event``, a task and the ASGI message dicts, and every ``receive``/``send`` is a
+coroutine call: several times the CPU of the same relay written as protocol callbacks, on the one
+route that carries every rollout (docs/decisions/front-protocol.md has the figures).
 
 What. ``FrontProtocol`` is uvicorn's own httptools protocol (``http=`` accepts a protocol class)
 with three parser callbacks taken over for ``POST /v1/completions`` and
@@ -18,7 +14,7 @@ straight to the transport: one write for a buffered answer, chunked framing for 
 uvicorn's ASGI scope is built only for the requests that go its way (``on_message_begin``).
 Everything else -- other routes, a query string, ``Expect: 100-continue``, an upgrade, a request
 pipelined behind another -- goes to uvicorn unchanged, and so to FastAPI (or ``ProxyApp``'s own
-ASGI data path, which answers exactly the same). ``PROXY_HOT_PATH=asgi`` turns this off.
+ASGI data path, which answers exactly the same).
 
 Behaviour kept from the ASGI path: keys, header/body limits (413 closes the connection, as the
 rest of the body is not wanted), token masking, routing, retries, ``X-Proxy-Replica``,
@@ -31,19 +27,18 @@ Requests on one connection are answered in order: one pipelined behind a complet
 waits in uvicorn's own pipeline queue.
 
 Keep-alive. uvicorn arms a ``call_later`` timer each time a connection falls idle and cancels it
-when the next request's first bytes arrive: a timer armed and cancelled per request (1.7 us in a
-tight loop on uvloop here, more under load). ``FrontProtocol`` notes when a connection fell idle
-instead, and one ``IdleSweep`` per server closes every connection idle longer than
-``timeout_keep_alive``: closed between that timeout and an eighth of it later (75-84 s with the
-proxy's 75 s), never earlier, which is what the timeout is for (clients close first). Measured
-under wrk -c64 against the per-request timer, 5 interleaved rounds (round 6 of
-bench/results/overhead_profile.md): less CPU per request in 4 of 5 rounds for the proxy and for
-the protocol floor alike, median paired difference about -20 us.
+when the next request's first bytes arrive: a timer armed and cancelled per request.
+``FrontProtocol`` notes when a connection fell idle instead, and one ``IdleSweep`` per server closes
+every connection idle longer than ``timeout_keep_alive``: closed between that timeout and an eighth
+of it later (75-84 s with the proxy's 75 s), never earlier, which is what the timeout is for
+(clients close first). One sweep costs less CPU per request than a timer per request
+(bench/results/overhead_profile.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from http import HTTPStatus
@@ -385,23 +380,34 @@ class FrontProtocol(HttpToolsProtocol):
         self.on_response_complete()  # counts it, resumes reading, arms the keep-alive timer
 
 
-# What FrontProtocol relies on in uvicorn's protocol (checked before it is used, so a uvicorn
-# that changed them serves everything through ASGI instead of misbehaving).
-UVICORN_HOOKS = (
-    "on_message_begin",
-    "on_headers_complete",
-    "on_body",
-    "on_message_complete",
-    "on_response_complete",
-    "_start_asgi_task",
-    "_unset_keepalive_if_required",
-    "timeout_keep_alive_handler",
-    "shutdown",
-)
+# What FrontProtocol relies on in uvicorn's httptools protocol: the methods it overrides or
+# calls, with their parameters. ``unsupported`` checks them before the front is used, and
+# tests/unit/test_uvicorn_canary.py checks these and the attributes the front reads.
+UVICORN_HOOKS: dict[str, tuple[str, ...]] = {
+    "connection_made": ("self", "transport"),
+    "connection_lost": ("self", "exc"),
+    "on_message_begin": ("self",),
+    "on_headers_complete": ("self",),
+    "on_body": ("self", "body"),
+    "on_message_complete": ("self",),
+    "on_response_complete": ("self",),
+    "_start_asgi_task": ("self", "cycle", "app"),
+    "_unset_keepalive_if_required": ("self",),
+    "timeout_keep_alive_handler": ("self",),
+    "shutdown": ("self",),
+}
 
 
-def supported() -> bool:
-    return all(callable(getattr(HttpToolsProtocol, name, None)) for name in UVICORN_HOOKS)
+def unsupported() -> str | None:
+    """Why the installed uvicorn cannot carry ``FrontProtocol``, or None when it can."""
+    for name, params in UVICORN_HOOKS.items():
+        method = getattr(HttpToolsProtocol, name, None)
+        if not callable(method):
+            return f"HttpToolsProtocol has no method {name}"
+        got = tuple(inspect.signature(method).parameters)
+        if got != params:
+            return f"HttpToolsProtocol.{name} takes {got}, not {params}"
+    return None
 
 
 def front_protocol(data_path: DataPath, shutdown: Shutdown) -> type[FrontProtocol]:

@@ -70,9 +70,8 @@ RESULTS = ("exact", "over", "under")
 
 def first_match(pattern: re.Pattern[bytes], literal: bytes, body: bytes) -> re.Match[bytes] | None:
     """``pattern.search(body)`` for a pattern whose every match starts with ``literal``:
-    ``bytes.find`` skips to each candidate faster than the regex engine scans (an answer that
-    carries its prompt's 4,096 ids, 28 KiB: 10.5 -> 7.3 us per search; the searches were most
-    of ``observe``'s own samples; bench/results/kv_events_cpu_r9.md)."""
+    ``bytes.find`` skips to each candidate faster than the regex engine scans, and an answer that
+    carries its prompt's ids is tens of KiB (bench/results/archive/kv_events_cpu_r9.md)."""
     at = body.find(literal)
     while at >= 0:
         match = pattern.match(body, at)

@@ -40,6 +40,7 @@ ROUTES = (
     "forward",
     "admin",
     "metrics",
+    "weight_sync",
 )
 
 
@@ -56,7 +57,7 @@ class Tally:
     """A labelled counter kept as plain numbers and exported when ``/metrics`` is scraped.
 
     Why not prometheus-client's ``Counter`` on the data path: each ``inc`` takes a lock and
-    goes through two method calls (1.8 us per request measured here, in ``MutexValue.inc``);
+    goes through two method calls (``MutexValue.inc``), a cost paid on every request;
     the proxy updates its counters from one event loop, so a dict of floats is exact, and the
     exposition is the library's own (``CounterMetricFamily``), same names and labels."""
 
@@ -81,10 +82,10 @@ class HistogramTally:
     """A labelled histogram kept as plain numbers (bucket found by bisection), exported when
     ``/metrics`` is scraped as the library's ``HistogramMetricFamily``.
 
-    Why not prometheus-client's ``Histogram`` on the data path: its ``observe`` walks the
-    buckets in Python and takes a lock per bucket it touches (2.2-2.9 us per call measured
-    here, three calls per completion). Same buckets, same ``le`` labels, same cumulative
-    counts and sum (tests/unit/test_metrics_tally.py compares the two expositions)."""
+    Why not prometheus-client's ``Histogram`` on the data path: its ``observe`` walks the buckets in
+    Python and takes a lock per bucket it touches, three calls per completion. Same buckets, same
+    ``le`` labels, same cumulative counts and sum (tests/unit/test_metrics_tally.py compares the two
+    expositions)."""
 
     def __init__(
         self, name: str, documentation: str, labels: Sequence[str], buckets: Sequence[float]
@@ -235,6 +236,19 @@ class Metrics:
         self.adapter_latest = Gauge(
             p + "adapter_latest_version",
             "N of the newest trl-policy-vN loaded on the replica.",
+            ["replica"],
+            registry=r,
+        )
+        self.weight_seq = Gauge(
+            p + "replica_weight_version",
+            "Merged-weight syncs the replica completed whole under the current weight-transfer "
+            "group (0: launch weights); the label TRL or the proxy gave it is in /health.",
+            ["replica"],
+            registry=r,
+        )
+        self.weights_stale = Gauge(
+            p + "replica_weights_stale",
+            "1 when the replica does not hold the fleet's merged weights (it takes no traffic).",
             ["replica"],
             registry=r,
         )

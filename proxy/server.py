@@ -5,9 +5,9 @@ re-raises the signal once done, so the process ends by SIGTERM rather than exiti
 first SIGTERM/SIGINT turns ``/health`` 503 at once and starts the grace period, the second
 exits at once, and a graceful stop exits 0.
 
-uvicorn is the server: measured in issue 12, granian (RSGI) with the same lean upstream client
-cost as much CPU per request (58 vs 54-58 us) with a higher added p50 (+0.14 vs +0.08 ms), so
-nothing justified a second server.
+uvicorn is the server: granian (RSGI) with the same lean upstream client costs as much CPU per
+request with a higher added latency (docs/decisions/front-protocol.md), so nothing justifies a
+second server.
 """
 
 from __future__ import annotations
@@ -86,26 +86,28 @@ def settle_garbage_collector() -> None:
     gc.set_threshold(GC_YOUNG_THRESHOLD, older, oldest)
 
 
-def http_protocol(app: Any, hot_path: str) -> Any:
+def http_protocol(app: Any) -> Any:
     """uvicorn's ``http`` setting for ``app``: the protocol that serves completions itself
-    (proxy/front.py) unless ``PROXY_HOT_PATH=asgi`` or ``app`` has no data path."""
+    (proxy/front.py), or uvicorn's own choice for an app without a data path. Refuses a uvicorn
+    whose protocol lacks what the front relies on (pyproject.toml pins the tested range)."""
     data_path = getattr(app, "data_path", None)
-    if hot_path != "protocol" or data_path is None:
+    if data_path is None:
         return "auto"
-    try:
-        from proxy.front import front_protocol, supported
-    except ImportError:  # httptools missing: uvicorn serves with h11
-        supported = None  # type: ignore[assignment]
-    if supported is None or not supported():
-        log.warning("PROXY_HOT_PATH=protocol needs uvicorn's httptools protocol; using asgi")
-        return "auto"
+    from proxy.front import front_protocol, unsupported
+
+    problem = unsupported()
+    if problem is not None:
+        raise RuntimeError(
+            f"uvicorn {uvicorn.__version__} is outside the range rollout-proxy is tested with "
+            f"(pyproject.toml): {problem}"
+        )
     return front_protocol(data_path, app.shutdown)
 
 
 def serve(app: Any, settings: Settings, shutdown: Shutdown) -> None:
     config = uvicorn.Config(
         app,
-        http=http_protocol(app, settings.hot_path),
+        http=http_protocol(app),
         host=settings.host,
         port=settings.port,
         log_config=None,

@@ -8,19 +8,68 @@ Each default says how it was sized.
 from __future__ import annotations
 
 import os
-from typing import Annotated, Any, Literal
+from collections.abc import Iterable, Mapping
+from typing import Annotated, Any, Literal, get_args
 from urllib.parse import urlsplit
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from proxy.core.extract import MAX_BATCH_PROMPTS
-from proxy.core.hashing import VLLM_HASH_ALGOS
-from proxy.core.policy import POLICIES
-from proxy.core.prefix_index import DEFAULT_MAX_REPLICAS
-from proxy.security.adapter_roots import normalize_root
-from proxy.security.keys import MIN_KEY_CHARS
-from proxy.security.posture import is_loopback
+from proxy.checks import MIN_KEY_CHARS, is_loopback, normalize_root
+
+# The leaf of the import graph: nothing here comes from proxy.core or proxy.security. The three
+# values below mirror the core's own (tests/unit/test_settings.py holds them equal).
+# The request parser's bound on prompts per request (proxy/core/extract.py).
+MAX_BATCH_PROMPTS = 4096
+# The prefix index's replica bitmask width (proxy/core/prefix_index.py).
+DEFAULT_MAX_REPLICAS = 32
+# vLLM's --prefix-caching-hash-algo values the exact hasher implements (proxy/core/hashing.py).
+VllmHashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
+
+# Settings the proxy no longer has, and what to do instead. Given as an environment variable, a
+# CLI flag or an init keyword, each stops start-up with its message (``removed_settings``).
+REMOVED_SETTINGS: dict[str, str] = {
+    "upstream_transport": "completions always go through the proxy's own keep-alive pool "
+    "(proxy/pool.py) and control calls through httpx; remove the setting "
+    "(bench/ compares other clients)",
+    "hot_path": "completions are always answered from the server's protocol (proxy/front.py); "
+    "remove the setting",
+}
+# Values of a setting that the proxy no longer accepts, as "name=value" -> what to use instead;
+# consulted when a value is refused (proxy/app.py checks PROXY_POLICY against the core's
+# registry at start-up).
+REMOVED_VALUES: dict[str, str] = {
+    "policy=round_robin": "use PROXY_POLICY=cost (the default; it balances load by the cost "
+    "of each replica's queue)",
+    "policy=least_loaded": "use PROXY_POLICY=cost (the default; it balances load by the cost "
+    "of each replica's queue)",
+}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def removed_settings(
+    cli_args: Iterable[str] = (), environ: Mapping[str, str] = os.environ, given: Iterable[str] = ()
+) -> list[str]:
+    """One message per removed setting found among ``cli_args`` (``--hot-path`` or
+    ``--hot-path=...``), ``environ`` (``PROXY_HOT_PATH``, any case) and ``given`` (field names
+    passed as keywords), each naming what replaces it."""
+    args = list(cli_args)
+    env = {k.upper() for k in environ}
+    keywords = set(given)
+    problems = []
+    for name, instead in REMOVED_SETTINGS.items():
+        variable = f"PROXY_{name.upper()}"
+        flags = (_flag(name), "--" + name)
+        if (
+            variable in env
+            or name in keywords
+            or any(a in flags or a.startswith(tuple(f + "=" for f in flags)) for a in args)
+        ):
+            problems.append(f"{variable} ({_flag(name)}) was removed: {instead}")
+    return problems
 
 
 def normalize_replica_url(url: str) -> str:
@@ -90,26 +139,26 @@ class Settings(BaseSettings):
     )
     policy: str = Field(
         "cost",
-        description="Routing policy: "
-        f"{', '.join(sorted(POLICIES))}. cost: the replica where the request adds the least "
+        description="Routing policy, by name from proxy/core/policy.py's POLICIES (an unknown "
+        "name stops start-up). cost: the replica where the request adds the least "
         "prefill + decode time, plus the KV-memory wait it adds where a replica's cache cannot "
         "hold its queue, and its own wait for memory where a replica's queue exceeds the "
         "fleet's by more than a cache's turnover (proxy/core/policy.py, constants from H100 "
-        "figures). Default "
-        "because it led prefix and round_robin on throughput in 9 of 12 benchmark cells "
-        "(least_loaded in 6) with the best balance, and won where KV memory is short "
-        "(bench/results/routing.md).",
+        "figures). prefix: the published proxy's rule, affinity first until the in-flight gap "
+        "reaches PROXY_IMBALANCE. cost is the default: it matches or beats prefix on "
+        "throughput and balance across the routing benchmark, and wins where KV memory is "
+        "short (docs/decisions/cost-policy.md).",
     )
     hash_mode: Literal["fast", "exact"] = Field(
         "fast",
         description="fast: xxh3 chains (routing only). exact: vLLM's own block hashes, to "
-        "compare with its KV-cache events (measured 4x (sha256) to 11x (sha256_cbor) "
-        "slower per prompt).",
+        "compare with its KV-cache events; several times slower per prompt (sha256 and "
+        "sha256_cbor digests; bench/results/micro.md).",
     )
-    vllm_hash_algo: Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"] | None = Field(
+    vllm_hash_algo: VllmHashAlgo | None = Field(
         None,
         description="Exact mode: the replicas' --prefix-caching-hash-algo. Default: learned "
-        f"from the replicas, else sha256. One of {', '.join(VLLM_HASH_ALGOS)}.",
+        f"from the replicas, else sha256. One of {', '.join(get_args(VllmHashAlgo))}.",
     )
     vllm_hash_seed: str | None = Field(
         None, description="Exact mode: the replicas' PYTHONHASHSEED (unset: vLLM's default)."
@@ -118,7 +167,8 @@ class Settings(BaseSettings):
         524_288,
         ge=2,
         description="Prefix blocks tracked (LRU). 2**19 ~ the KV cache of four H100 replicas "
-        "serving a 1.5B model (~134k blocks each); ~45 MB at the measured 84 bytes per block.",
+        "serving a 1.5B model (~134k blocks each); ~45 MB at 84 bytes per block "
+        "(bench/results/micro.md).",
     )
     max_replicas: int = Field(
         DEFAULT_MAX_REPLICAS,
@@ -171,21 +221,6 @@ class Settings(BaseSettings):
         description="Consecutive failed probes before ejection (one slow probe is not death; "
         "a refused connection on the data plane ejects at once).",
     )
-    upstream_transport: Literal["lean", "aiohttp", "httpx"] = Field(
-        "lean",
-        description="Client that relays completions. lean: the proxy's keep-alive pool on "
-        "asyncio + httptools (proxy/pool.py; a bare pass-through measured 54-58 us CPU per "
-        "request with it vs 192 with aiohttp, issue 12). aiohttp: aiohttp's client. httpx: "
-        "httpx's own transport for everything (measured 8x aiohttp's CPU per request). "
-        "Control calls and probes use httpx (on httpx-aiohttp unless httpx).",
-    )
-    hot_path: Literal["protocol", "asgi"] = Field(
-        "protocol",
-        description="How completions reach the data path. protocol: answered from uvicorn's "
-        "HTTP protocol object, one task per request and no ASGI messages (proxy/front.py; a "
-        "bare relay measured ~60 us CPU per request this way vs ~220 us through ASGI, issue "
-        "12). asgi: through the ASGI app like every other route (for debugging, or to compare).",
-    )
     native: Literal["auto", "on", "off"] = Field(
         "auto",
         description="The pure primitives of a token-id completion (scan and pack the prompt "
@@ -219,7 +254,7 @@ class Settings(BaseSettings):
         description="Route on the blocks each replica reports cached (vLLM --kv-events-config, "
         "ZMQ) instead of the proxy's memory of what it sent; a replica that publishes nothing "
         "falls back to the index. Implies PROXY_HASH_MODE=exact. Needs the [kv-events] extra. "
-        "Off by default until it wins on real fleets (bench/results/kv_events.md).",
+        "Off by default: it has not yet won over the index on real fleets (docs/kv-events.md).",
     )
     kv_events_port: int = Field(
         5557,
@@ -254,10 +289,11 @@ class Settings(BaseSettings):
         262_144,
         ge=1,
         description="Most blocks remembered per replica. 2**18: twice the ~140k blocks of an "
-        "H100-80GB serving the recipe's 1.5B model; 88 bytes per block (measured), ~23 MB.",
+        "H100-80GB serving the recipe's 1.5B model; 88 bytes per block "
+        "(bench/results/kv_events.md), ~23 MB.",
     )
 
-    # -- security (enforced by proxy/security.py) -----------------------------------------------
+    # -- security (enforced by proxy/security/) ---------------------------------------------
     api_keys: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list,
         description="Comma-separated keys for the data plane (completions, chat, models, "
@@ -324,6 +360,15 @@ class Settings(BaseSettings):
         "token then goes to whoever answers).",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_removed(cls, data: Any) -> Any:
+        given = data.keys() if isinstance(data, dict) else ()
+        problems = removed_settings(environ=os.environ, given=given)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return data
+
     @field_validator("api_keys", "admin_keys", mode="before")
     @classmethod
     def _parse_keys(cls, value: Any) -> Any:
@@ -332,8 +377,7 @@ class Settings(BaseSettings):
     @field_validator("api_keys", "admin_keys")
     @classmethod
     def _check_keys(cls, value: list[SecretStr]) -> list[SecretStr]:
-        # Messages never quote the key. 16 characters: a guessable key defeats constant-time
-        # comparison; secrets.token_urlsafe(32) gives 43.
+        # Messages never quote the key (MIN_KEY_CHARS says how its length was chosen).
         for key in value:
             text = key.get_secret_value()
             if len(text) < MIN_KEY_CHARS:
@@ -420,13 +464,6 @@ class Settings(BaseSettings):
             self.hash_mode = "exact"
         return self
 
-    @field_validator("policy")
-    @classmethod
-    def _check_policy(cls, value: str) -> str:
-        if value not in POLICIES:
-            raise ValueError(f"unknown policy {value!r}; one of {sorted(POLICIES)}")
-        return value
-
     @model_validator(mode="after")
     def _fallbacks(self) -> Settings:
         if self.upstream_token is None and os.environ.get("HF_TOKEN"):
@@ -436,3 +473,10 @@ class Settings(BaseSettings):
                 f"{len(self.replicas)} replicas exceed max_replicas={self.max_replicas}"
             )
         return self
+
+    def secrets(self) -> list[str]:
+        """Every secret the settings hold: the upstream token and all inbound keys."""
+        out = [k.get_secret_value() for k in (*self.api_keys, *self.admin_keys)]
+        if self.upstream_token is not None:
+            out.append(self.upstream_token.get_secret_value())
+        return [s for s in out if s]

@@ -6,7 +6,7 @@ Failures are classified by whether the request can have reached the replica:
 * ``ReplicaUnreachable`` (``sent=False``): the TCP connection was never established. Nothing was
   processed, so the request may be retried on another replica, whatever it was.
 * ``ReplicaBroken`` (``sent=True``): the connection dropped or a protocol error occurred after
-  the request was written. Whether to retry is the caller's decision (see app.py's rule).
+  the request was written. Whether to retry is the caller's decision (see dataplane.py's rule).
 * ``UpstreamTimeout``: the replica went silent longer than the configured read timeout.
 """
 
@@ -17,7 +17,9 @@ from collections.abc import Mapping
 from http.cookiejar import CookieJar, DefaultCookiePolicy
 from typing import Any
 
+import aiohttp
 import httpx
+from httpx_aiohttp import AiohttpTransport
 
 from proxy.errors import UpstreamTimeout, UpstreamUnavailable
 from proxy.settings import Settings
@@ -85,9 +87,9 @@ def translate(
 
 
 def tls_verify(settings: Settings) -> ssl.SSLContext | bool:
-    """What every upstream client (httpx, httpx-aiohttp, the aiohttp relay) gets as ``verify``:
+    """What every upstream client (the lean pool, httpx on httpx-aiohttp) gets as ``verify``:
     a context trusting only PROXY_UPSTREAM_CA_BUNDLE when set; otherwise httpx's default one
-    (certifi's bundle, SSL_CERT_FILE / SSL_CERT_DIR honoured), so that both transports trust the
+    (certifi's bundle, SSL_CERT_FILE / SSL_CERT_DIR honoured), so that both clients trust the
     same CAs; False only with the explicit PROXY_UPSTREAM_INSECURE. Never a path string
     (deprecated in httpx 0.28). Hostname checking stays on in both contexts."""
     if settings.upstream_insecure:
@@ -98,33 +100,29 @@ def tls_verify(settings: Settings) -> ssl.SSLContext | bool:
 
 
 def make_transport(settings: Settings) -> httpx.AsyncBaseTransport:
+    """Control calls and probes: httpx on httpx-aiohttp, which spends a fraction of the CPU per
+    call of httpx's own transport. Not hot, but steady: every replica is probed every
+    PROXY_HEALTH_INTERVAL_S, and each of TRL's /health polls fans out to all of them."""
     # Keep-alive pool sized for TRL's max_inflight_tasks (hundreds of concurrent rollouts)
     # across a handful of replicas; connections beyond it are opened and closed as needed.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
-    verify = tls_verify(settings)
-    if settings.upstream_transport != "httpx":
-        # Control calls and probes (lean or aiohttp data path): httpx on httpx-aiohttp.
-        import aiohttp
-        from httpx_aiohttp import AiohttpTransport
+    transport = AiohttpTransport(limits=limits, verify=tls_verify(settings))
 
-        transport = AiohttpTransport(limits=limits, verify=verify)
+    def session() -> aiohttp.ClientSession:
+        # The session httpx-aiohttp would build (same connector arguments), except for the
+        # cookie jar: aiohttp's default one keeps cookies a replica sets (for host names,
+        # not IPs) and replays them on every later request through the shared client.
+        connector = aiohttp.TCPConnector(
+            keepalive_timeout=limits.keepalive_expiry,
+            ssl=transport.ssl_context,
+            # max_connections=None leaves aiohttp's own default (100) in place, exactly as
+            # httpx-aiohttp does.
+            limit=limits.max_connections or 100,
+        )
+        return aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
 
-        def session() -> aiohttp.ClientSession:
-            # The session httpx-aiohttp would build (same connector arguments), except for the
-            # cookie jar: aiohttp's default one keeps cookies a replica sets (for host names,
-            # not IPs) and replays them on every later request through the shared client.
-            connector = aiohttp.TCPConnector(
-                keepalive_timeout=limits.keepalive_expiry,
-                ssl=transport.ssl_context,
-                # max_connections=None leaves aiohttp's own default (100) in place, exactly as
-                # httpx-aiohttp does.
-                limit=limits.max_connections or 100,
-            )
-            return aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())
-
-        transport.client = session  # called lazily, inside the event loop
-        return transport
-    return httpx.AsyncHTTPTransport(limits=limits, verify=verify)
+    transport.client = session  # called lazily, inside the event loop
+    return transport
 
 
 def upstream_headers(settings: Settings) -> dict[str, str]:

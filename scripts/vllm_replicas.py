@@ -33,7 +33,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -44,6 +43,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
+
+# Run as a script (``python scripts/vllm_replicas.py``) or imported as a sibling module
+# (scripts/demo.py): the repository root holds the shared helpers either way.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from fakes.net import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # The venv made by scripts/setup_vllm_venv.sh; VLLM_VENV points elsewhere (the Makefile sets it).
@@ -188,13 +192,6 @@ class ReplicaConfig:
             env["PYTHONHASHSEED"] = self.python_hash_seed
         env.update(self.extra_env)
         return env
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (the OS picks it); the server binds it right after."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def _pdeathsig_prefix() -> list[str]:

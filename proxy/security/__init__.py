@@ -42,9 +42,10 @@ as ``POST /pause`` -- an admin action taken with a data key, behind the control 
 
 from __future__ import annotations
 
-from proxy.security.adapter_roots import AdapterRoots, normalize_root
+from proxy.checks import MIN_KEY_CHARS, is_loopback, normalize_root
+from proxy.security.adapter_roots import AdapterRoots
 from proxy.security.guard import Guard, SecurityMiddleware
-from proxy.security.keys import MIN_KEY_CHARS, KeyRing, credential_from
+from proxy.security.keys import KeyRing, credential_from
 from proxy.security.limits import (
     FALLBACK_MAX_PROMPT_TOKENS,
     BodyTooLarge,
@@ -52,7 +53,7 @@ from proxy.security.limits import (
     PromptLimits,
 )
 from proxy.security.planes import ADMIN_PATHS, OPEN_PATHS, Plane, classify, path_problem
-from proxy.security.posture import is_loopback, posture
+from proxy.security.posture import posture
 from proxy.security.redaction import (
     REDACTED,
     RedactingFormatter,
@@ -62,7 +63,6 @@ from proxy.security.redaction import (
     redact_text,
     scrub,
     secret_key,
-    settings_secrets,
 )
 from proxy.security.schemas import CHAT_BODY, COMPLETION_BODY, LOAD_BODY, UNLOAD_BODY
 
@@ -97,5 +97,4 @@ __all__ = [
     "redact_text",
     "scrub",
     "secret_key",
-    "settings_secrets",
 ]

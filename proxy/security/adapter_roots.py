@@ -2,27 +2,10 @@
 
 from __future__ import annotations
 
-import posixpath
 from collections.abc import Sequence
 
+from proxy.checks import normalize_root, normpath
 from proxy.errors import InvalidRequest
-
-
-def normalize_root(root: str) -> str:
-    """An allow-list root in canonical form; raises ValueError when it is not absolute."""
-    root = root.strip()
-    if not root.startswith("/"):
-        raise ValueError(f"adapter root {root!r} must be an absolute path")
-    if any(ord(c) < 0x20 for c in root):
-        raise ValueError("adapter roots must not contain control characters")
-    return _normpath(root)
-
-
-def _normpath(path: str) -> str:
-    # posixpath.normpath keeps a leading '//' (POSIX leaves its meaning to the implementation);
-    # Linux treats it as '/', and so do we, so '//etc' cannot slip past a '/etc' comparison.
-    normalized = posixpath.normpath(path)
-    return "/" + normalized.lstrip("/")
 
 
 class AdapterRoots:
@@ -58,7 +41,7 @@ class AdapterRoots:
             problem = "must not contain control characters"
         elif ".." in path.split("/"):
             problem = "must not contain '..' segments"
-        elif not self.allows(_normpath(path)):
+        elif not self.allows(normpath(path)):
             problem = "is outside the allowed adapter roots"
         if problem is not None:
             raise InvalidRequest(

@@ -8,7 +8,6 @@ import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from proxy.asgi import ASGIApp, Message, Receive, Scope, Send
 from proxy.errors import Forbidden, InvalidRequest, PayloadTooLarge, ProxyError, Unauthorized
@@ -17,30 +16,18 @@ from proxy.security.limits import BodyTooLarge, HeadersTooLarge, too_large
 from proxy.security.planes import Plane, classify, path_problem
 from proxy.security.redaction import mask
 
-if TYPE_CHECKING:
-    from proxy.settings import Settings
-
 log = logging.getLogger("rollout_proxy.security")
 
 
 @dataclass(frozen=True)
 class Guard:
-    """What the middleware enforces (built once per app from the settings)."""
+    """What the middleware and the data path enforce: the inbound keys, the body and header
+    limits, and the upstream token to mask out of answers (``secrets``)."""
 
     keys: KeyRing
     max_body_bytes: int
     max_header_bytes: int
     secrets: tuple[bytes, ...] = ()
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> Guard:
-        token = settings.upstream_token
-        return cls(
-            KeyRing.from_settings(settings),
-            settings.max_body_bytes,
-            settings.max_header_bytes,
-            (token.get_secret_value().encode(),) if token and token.get_secret_value() else (),
-        )
 
     def check_head(self, scope: Scope) -> ProxyError | None:
         """The first reason to refuse this request before reading its body, cheapest check

@@ -8,14 +8,8 @@ import binascii
 import hashlib
 import hmac
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from proxy.security.planes import Plane
-
-if TYPE_CHECKING:
-    from proxy.settings import Settings
-
-MIN_KEY_CHARS = 16
 
 
 def _digest(key: str) -> bytes:
@@ -28,13 +22,6 @@ class KeyRing:
     def __init__(self, data_keys: Iterable[str] = (), admin_keys: Iterable[str] = ()) -> None:
         self._admin = tuple(_digest(k) for k in admin_keys)
         self._data = tuple(_digest(k) for k in data_keys)
-
-    @classmethod
-    def from_settings(cls, settings: Settings) -> KeyRing:
-        return cls(
-            (k.get_secret_value() for k in settings.api_keys),
-            (k.get_secret_value() for k in settings.admin_keys),
-        )
 
     @property
     def enabled(self) -> bool:

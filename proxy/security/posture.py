@@ -1,31 +1,29 @@
-"""Start-up posture: the log lines that say how exposed the proxy is, and what loopback is."""
+"""Start-up posture: the log lines that say how exposed the proxy is."""
 
 from __future__ import annotations
 
-import ipaddress
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
-if TYPE_CHECKING:
-    from proxy.settings import Settings
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
+from proxy.checks import is_loopback
 
 
-def posture(settings: Settings) -> list[tuple[int, str]]:
-    """The start-up log lines (level, message) that say how exposed the proxy is."""
+def posture(
+    host: str,
+    port: int,
+    *,
+    data_keys: int,
+    admin_keys: int,
+    adapter_roots: Sequence[str],
+    upstream_insecure: bool,
+) -> list[tuple[int, str]]:
+    """The start-up log lines (level, message) that say how exposed the proxy is, from where it
+    listens, how many data and admin keys it has, its adapter roots and its TLS posture."""
     lines: list[tuple[int, str]] = []
-    keys = bool(settings.api_keys or settings.admin_keys)
-    where = f"{settings.host}:{settings.port}"
+    keys = bool(data_keys or admin_keys)
+    where = f"{host}:{port}"
     if not keys:
-        if is_loopback(settings.host):
+        if is_loopback(host):
             lines.append(
                 (
                     logging.INFO,
@@ -46,11 +44,11 @@ def posture(settings: Settings) -> list[tuple[int, str]]:
         lines.append(
             (
                 logging.INFO,
-                f"inbound auth on ({len(settings.api_keys)} data key(s), "
-                f"{len(settings.admin_keys)} admin key(s)); /health and /metrics stay open",
+                f"inbound auth on ({data_keys} data key(s), "
+                f"{admin_keys} admin key(s)); /health and /metrics stay open",
             )
         )
-        if not settings.admin_keys:
+        if not admin_keys:
             lines.append(
                 (
                     logging.WARNING,
@@ -58,18 +56,16 @@ def posture(settings: Settings) -> list[tuple[int, str]]:
                     "load, pause, resume) refuse every caller with 403",
                 )
             )
-    if settings.adapter_roots:
-        lines.append(
-            (logging.INFO, f"adapters may be loaded from: {', '.join(settings.adapter_roots)}")
-        )
+    if adapter_roots:
+        lines.append((logging.INFO, f"adapters may be loaded from: {', '.join(adapter_roots)}"))
     else:
         lines.append(
             (
-                logging.INFO if is_loopback(settings.host) else logging.WARNING,
+                logging.INFO if is_loopback(host) else logging.WARNING,
                 "PROXY_ADAPTER_ROOTS is not set: any lora_path is passed to the replicas",
             )
         )
-    if settings.upstream_insecure:
+    if upstream_insecure:
         lines.append(
             (
                 logging.WARNING,

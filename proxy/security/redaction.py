@@ -6,10 +6,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from proxy.settings import Settings
+from typing import Any
 
 
 def mask(data: bytes, secrets: Iterable[bytes]) -> bytes:
@@ -124,11 +121,3 @@ def redact(value: Any, secrets: Sequence[str] = (), *, inside_secret: bool = Fal
             return REDACTED
         return redact_text(value, secrets)
     return value
-
-
-def settings_secrets(settings: Settings) -> list[str]:
-    """Every secret the settings hold: the upstream token and all inbound keys."""
-    out = [k.get_secret_value() for k in (*settings.api_keys, *settings.admin_keys)]
-    if settings.upstream_token is not None:
-        out.append(settings.upstream_token.get_secret_value())
-    return [s for s in out if s]

@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 import pytest
 
+from fakes.net import free_port
 from tests.e2e.trainer_support import procs
 
 # The first test also builds the tiny model and starts the fleet (pytest-timeout counts fixture
@@ -220,7 +221,7 @@ def _fleet(
     procs.wait_for(lambda: all(p.exists() for p in ports), 120, "replica ports", started)
     urls = [f"http://127.0.0.1:{int(p.read_text())}" for p in ports]
     procs.wait_for(lambda: all(procs.http_ok(u + "/health") for u in urls), 60, "replicas", started)
-    port = procs.free_port()
+    port = free_port()
     started.append(
         procs.start(
             "proxy",

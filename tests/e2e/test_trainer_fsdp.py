@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from fakes.net import free_port
 from tests.e2e.test_trainer_e2e import (
     CPU_TRAINER,
     MAX_STALENESS,
@@ -92,7 +93,7 @@ def _launch(stack: Stack, max_steps: int, name: str) -> TrainRun:
         "--num_processes",
         str(PROCESSES),
         "--main_process_port",
-        str(procs.free_port()),
+        str(free_port()),
         # The one CPU adaptation of the recipe's file (see the module docstring).
         "--mixed_precision",
         "no",

@@ -1,6 +1,6 @@
-"""The routing benchmark's second client (bench/foreign.py), end to end in seconds: the first
-turns of a share of the groups reach the replicas without passing the router, and the run still
-reports every request."""
+"""The routing benchmark's second client (bench/harness/foreign.py), end to end in seconds: the
+first turns of a share of the groups reach the replicas without passing the router, and the run
+still reports every request."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from tests.integration.test_bench_smoke import _check_routing, _run
 def test_a_second_client_bypasses_the_router(tmp_path: Path) -> None:
     routers = ["proxy", "proxy-events"]
     _run(
-        "bench.run_routing",
+        "bench.runners.run_routing",
         "--smoke",
         "--foreign-share",
         "0.5",

@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.procs import REPO
-from bench.simulator import Replica, SimClock, SimConfig, create_app
+from bench.harness.procs import REPO
+from bench.harness.simulator import Replica, SimClock, SimConfig, create_app
 
 BASE = "Qwen/Qwen2.5-Math-1.5B"
 # 1 simulated second = 2 ms real: a 600-token completion takes ~5 ms.
@@ -186,7 +186,7 @@ async def test_metrics_and_server_info(sim: tuple[httpx.AsyncClient, Replica]) -
     assert f'num_gpu_blocks="{replica.config.kv_blocks}"' in text
     info = (await client.get("/server_info", params={"config_format": "json"})).json()
     cfg = info["vllm_config"]
-    assert cfg["lora_config"] == {"max_loras": 6, "max_lora_rank": 1}
+    assert cfg["lora_config"] == {"max_loras": 6, "max_lora_rank": 1, "max_cpu_loras": 6}
     assert cfg["parallel_config"]["data_parallel_size"] == 1
     assert cfg["cache_config"]["block_size"] == 16
     assert (await client.get("/health")).status_code == 200

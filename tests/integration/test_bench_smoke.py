@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.procs import REPO, find_tool
+from bench.harness.procs import REPO, find_tool
 
 RUST_ROUTERS = ("vllm-router", "sglang-router")
 
@@ -83,7 +83,14 @@ def _check_routing(out: Path, routers: list[str]) -> None:
 
 def test_routing_smoke_with_our_proxy(tmp_path: Path) -> None:
     routers = ["proxy", "proxy-prefix", "proxy-rr", "proxy-ll"]
-    _run("bench.run_routing", "--smoke", "--routers", ",".join(routers), "--out", str(tmp_path))
+    _run(
+        "bench.runners.run_routing",
+        "--smoke",
+        "--routers",
+        ",".join(routers),
+        "--out",
+        str(tmp_path),
+    )
     _check_routing(tmp_path, routers)
     data = json.loads((tmp_path / "routing.json").read_text())
     ours = next(r for r in data["results"] if r["router"] == "proxy")
@@ -93,7 +100,13 @@ def test_routing_smoke_with_our_proxy(tmp_path: Path) -> None:
     # The report can be written again from the JSON alone: the same tables and figures, only
     # the header says it was rewritten.
     again = tmp_path / "again"
-    _run("bench.run_routing", "--report-from", str(tmp_path / "routing.json"), "--out", str(again))
+    _run(
+        "bench.runners.run_routing",
+        "--report-from",
+        str(tmp_path / "routing.json"),
+        "--out",
+        str(again),
+    )
 
     def body(path: Path) -> list[str]:
         return [x for x in path.read_text().splitlines() if not x.startswith("Measured ")]
@@ -106,7 +119,7 @@ def test_routing_smoke_with_our_proxy(tmp_path: Path) -> None:
 def test_routing_smoke_with_rust_router(tmp_path: Path, router: str) -> None:
     if find_tool(router) is None:
         pytest.skip(f"{router} not installed (.venv-bench, see bench/README.md)")
-    _run("bench.run_routing", "--smoke", "--routers", router, "--out", str(tmp_path))
+    _run("bench.runners.run_routing", "--smoke", "--routers", router, "--out", str(tmp_path))
     _check_routing(tmp_path, [router])
 
 
@@ -138,14 +151,20 @@ def test_overhead_smoke_with_our_proxy(tmp_path: Path) -> None:
         "proxy",
         "proxy-python",
         "proxy-rr",
-        "proxy-asgi",
         "nginx",
         "floor",
         "floor-protocol",
         "floor-min",
         "floor-min-routed",
     ]
-    _run("bench.run_overhead", "--smoke", "--targets", ",".join(targets), "--out", str(tmp_path))
+    _run(
+        "bench.runners.run_overhead",
+        "--smoke",
+        "--targets",
+        ",".join(targets),
+        "--out",
+        str(tmp_path),
+    )
     _check_overhead(tmp_path, targets)
 
 
@@ -154,7 +173,14 @@ def test_overhead_smoke_with_rust_routers(tmp_path: Path) -> None:
     targets = [r for r in RUST_ROUTERS if find_tool(r) is not None]
     if not targets:
         pytest.skip("neither vllm-router nor sglang-router installed (.venv-bench)")
-    _run("bench.run_overhead", "--smoke", "--targets", ",".join(targets), "--out", str(tmp_path))
+    _run(
+        "bench.runners.run_overhead",
+        "--smoke",
+        "--targets",
+        ",".join(targets),
+        "--out",
+        str(tmp_path),
+    )
     _check_overhead(tmp_path, targets)
 
 
@@ -162,14 +188,14 @@ def test_profile_smoke(tmp_path: Path) -> None:
     _need_overhead_tools()
     if find_tool("py-spy") is None:
         pytest.skip("py-spy not installed (.venv-bench, see bench/README.md)")
-    _run("bench.profile_proxy", "--duration", "2", "--out", str(tmp_path))
+    _run("bench.runners.profile_proxy", "--duration", "2", "--out", str(tmp_path))
     report = (tmp_path / "overhead_profile.md").read_text()
     assert "## By component" in report
     assert "proxy/" in report  # the proxy's own frames were sampled
 
 
 def test_micro_smoke(tmp_path: Path) -> None:
-    _run("bench.run_micro", "--smoke", "--out", str(tmp_path))
+    _run("bench.runners.run_micro", "--smoke", "--out", str(tmp_path))
     data = json.loads((tmp_path / "micro.json").read_text())
     names = [t["name"] for t in data["hashing"]]
     assert any(n.startswith("fast") for n in names) and any(n.startswith("exact") for n in names)

@@ -24,9 +24,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from fakes.net import free_port
 from tests.integration.test_deploy_files import CONTRACT_METRICS, exposed_names
 from tests.support.fake_vllm import FakeVllm
-from tests.support.servers import ServerThread, free_port
+from tests.support.servers import ServerThread
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -24,10 +24,11 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from fakes.net import free_port
 from tests.integration.test_deploy_container import wait_for
 from tests.integration.test_deploy_files import CONTRACT_METRICS, exposed_names
 from tests.support.fake_vllm import FakeVllm
-from tests.support.servers import ServerThread, free_port
+from tests.support.servers import ServerThread
 
 IMAGE = os.environ.get("IMAGE_TEST_IMAGE", "")
 pytestmark = [

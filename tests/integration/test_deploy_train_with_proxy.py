@@ -22,9 +22,10 @@ from typing import Any
 
 import pytest
 
+from fakes.net import free_port
 from tests.integration.test_deploy_container import _proxy_cli_works
 from tests.support.fake_vllm import FakeVllm
-from tests.support.servers import ServerThread, free_port
+from tests.support.servers import ServerThread
 from tests.support.traffic import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]

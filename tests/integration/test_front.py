@@ -1,7 +1,8 @@
 """Completions served from uvicorn's protocol object (proxy/front.py), over raw sockets where
 HTTP framing is the point: keep-alive, pipelining, HTTP/1.0, ``Connection: close``, refusals
 before the body, chunked streams, a client leaving. Every behaviour is also checked to be the
-same through the ASGI path (``hot_path="asgi"``), which any other server would use."""
+same through the ASGI path (``ProxyApp``: what uvicorn's own protocol reaches, e.g. for a request
+the front hands over, and what any other server would use)."""
 
 from __future__ import annotations
 
@@ -77,9 +78,9 @@ def _closed(sock: socket.socket, timeout: float = 5) -> bool:
         return True
 
 
-@pytest.fixture(params=["protocol", "asgi"])
-def hot_path(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
+@pytest.fixture(params=[True, False], ids=["protocol", "asgi"])
+def front(request: pytest.FixtureRequest) -> bool:
+    return bool(request.param)
 
 
 def _connect(h: Any) -> socket.socket:
@@ -91,12 +92,12 @@ def _connect(h: Any) -> socket.socket:
 def test_the_proxy_serves_completions_from_its_protocol(make_fleet) -> None:
     h = make_fleet(1)
     assert issubclass(h.proxy.server.config.http_protocol_class, FrontProtocol)
-    h2 = make_fleet(1, hot_path="asgi")
+    h2 = make_fleet(1, front=False)
     assert not issubclass(h2.proxy.server.config.http_protocol_class, FrontProtocol)
 
 
-def test_keep_alive_and_pipelined_requests_answer_in_order(make_fleet, hot_path: str) -> None:
-    h = make_fleet(1, hot_path=hot_path)
+def test_keep_alive_and_pipelined_requests_answer_in_order(make_fleet, front: bool) -> None:
+    h = make_fleet(1, front=front)
     bodies = [{**BODY, "seed": s, "max_tokens": 2 + s} for s in range(3)]
     with _connect(h) as sock:
         # Three requests in one write (pipelined), then one more on the same connection.
@@ -113,8 +114,8 @@ def test_keep_alive_and_pipelined_requests_answer_in_order(make_fleet, hot_path:
         assert _read_response(sock, buf)[0] == 200
 
 
-def test_http_1_0_and_connection_close_end_the_connection(make_fleet, hot_path: str) -> None:
-    h = make_fleet(1, hot_path=hot_path)
+def test_http_1_0_and_connection_close_end_the_connection(make_fleet, front: bool) -> None:
+    h = make_fleet(1, front=front)
     with _connect(h) as sock:
         sock.sendall(_request(BODY, "connection: close"))
         status, headers, _ = _read_response(sock, bytearray())
@@ -127,8 +128,8 @@ def test_http_1_0_and_connection_close_end_the_connection(make_fleet, hot_path: 
         assert _closed(sock)
 
 
-def test_a_declared_oversize_body_is_refused_before_it_is_read(make_fleet, hot_path) -> None:
-    h = make_fleet(1, hot_path=hot_path, max_body_bytes=2048)
+def test_a_declared_oversize_body_is_refused_before_it_is_read(make_fleet, front) -> None:
+    h = make_fleet(1, front=front, max_body_bytes=2048)
     with _connect(h) as sock:
         # Only the head is sent: the answer must not wait for the 10 MB it announces.
         sock.sendall(
@@ -141,8 +142,8 @@ def test_a_declared_oversize_body_is_refused_before_it_is_read(make_fleet, hot_p
     assert h.fakes[0].served == []
 
 
-def test_a_chunked_body_past_the_limit_is_refused(make_fleet, hot_path: str) -> None:
-    h = make_fleet(1, hot_path=hot_path, max_body_bytes=2048)
+def test_a_chunked_body_past_the_limit_is_refused(make_fleet, front: bool) -> None:
+    h = make_fleet(1, front=front, max_body_bytes=2048)
     big = json.dumps({**BODY, "prompt": list(range(2000))}).encode()
     with _connect(h) as sock:
         sock.sendall(
@@ -153,8 +154,8 @@ def test_a_chunked_body_past_the_limit_is_refused(make_fleet, hot_path: str) -> 
     assert h.fakes[0].served == []
 
 
-def test_a_refused_key_keeps_the_connection_usable(make_fleet, hot_path: str) -> None:
-    h = make_fleet(1, hot_path=hot_path, api_keys=["sk-good-0123456789abcdef"])
+def test_a_refused_key_keeps_the_connection_usable(make_fleet, front: bool) -> None:
+    h = make_fleet(1, front=front, api_keys=["sk-good-0123456789abcdef"])
     with _connect(h) as sock:
         buf = bytearray()
         sock.sendall(_request(BODY, "authorization: Bearer sk-bad-0123456789abcdef"))
@@ -165,8 +166,8 @@ def test_a_refused_key_keeps_the_connection_usable(make_fleet, hot_path: str) ->
         assert _read_response(sock, buf)[0] == 200
 
 
-def test_bad_json_and_a_query_string(make_fleet, hot_path: str) -> None:
-    h = make_fleet(1, hot_path=hot_path)
+def test_bad_json_and_a_query_string(make_fleet, front: bool) -> None:
+    h = make_fleet(1, front=front)
     with _connect(h) as sock:
         buf = bytearray()
         sock.sendall(_request(b'{"model": "tiny/base", "prompt": [1,'))
@@ -177,9 +178,9 @@ def test_bad_json_and_a_query_string(make_fleet, hot_path: str) -> None:
         assert _read_response(sock, buf)[0] == 200
 
 
-def test_a_stream_is_chunked_and_complete(make_fleet, hot_path: str) -> None:
+def test_a_stream_is_chunked_and_complete(make_fleet, front: bool) -> None:
     fakes = [FakeVllm(name="r0", stream_chunks=5, stream_delay_s=0.01)]
-    h = make_fleet(fakes=fakes, hot_path=hot_path)
+    h = make_fleet(fakes=fakes, front=front)
     with _connect(h) as sock:
         buf = bytearray()
         sock.sendall(_request({**BODY, "max_tokens": 10, "stream": True}))
@@ -212,8 +213,8 @@ def test_a_client_leaving_a_buffered_request_releases_it(make_fleet) -> None:
 
 def test_the_same_answers_through_both_paths(make_fleet) -> None:
     answers = []
-    for path in ("protocol", "asgi"):
-        h = make_fleet(1, hot_path=path)
+    for front in (True, False):
+        h = make_fleet(1, front=front)
         with httpx.Client(base_url=h.proxy.url, timeout=30) as client:
             got = [
                 client.post("/v1/completions", json={**BODY, "seed": 7}),
@@ -236,11 +237,11 @@ def test_the_same_answers_through_both_paths(make_fleet) -> None:
     assert [a[0] for a in answers[0]] == [200, 404, 400, 400]
 
 
-def test_an_idle_keep_alive_connection_is_closed_after_the_timeout(make_fleet, hot_path) -> None:
+def test_an_idle_keep_alive_connection_is_closed_after_the_timeout(make_fleet, front) -> None:
     """FrontProtocol replaces uvicorn's per-request keep-alive timer with a deadline and one
     sweep per server: a connection idle past the timeout is still closed, after a completion
     (answered by the protocol) and after an ASGI answer on the same connection alike."""
-    h = make_fleet(1, hot_path=hot_path)
+    h = make_fleet(1, front=front)
     h.proxy.server.config.timeout_keep_alive = 0.5  # read by each new connection
     # The ASGI request is pipelined behind the completion (sent in the same write), so that the
     # short timeout cannot close the connection between the two however slow this thread is.

@@ -14,7 +14,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from bench.kv_events_publisher import KvEventPublisher
+from bench.harness.kv_events_publisher import KvEventPublisher
 from proxy.core.hashing import Namespace, VllmHasher
 from proxy.core.kv_view import PreciseMatcher, ReplicaView
 from proxy.kv_events import Endpoints, ReplicaSubscriber
@@ -285,8 +285,8 @@ async def test_batches_queued_together_are_all_applied_in_order() -> None:
 
 
 async def test_simulator_events_describe_its_cache_exactly() -> None:
-    from bench.kv_events_publisher import publish_events
-    from bench.simulator import Replica, SimClock, SimConfig
+    from bench.harness.kv_events_publisher import publish_events
+    from bench.harness.simulator import Replica, SimClock, SimConfig
 
     # 40 blocks of 16 tokens: a few prompts with their completions overflow it, so it evicts.
     config = SimConfig(kv_events=True, time_scale=0.001, kv_blocks=40, max_model_len=256,

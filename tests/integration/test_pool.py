@@ -10,11 +10,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 import pytest
 
+from fakes.net import free_port
 from proxy.errors import UpstreamTimeout
 from proxy.pool import HIGH_WATER, JOIN_BELOW, Connection, LeanPool
 from proxy.upstream import ReplicaBroken, ReplicaUnreachable
 from tests.support.fake_vllm import FakeVllm
-from tests.support.servers import ServerThread, free_port
+from tests.support.servers import ServerThread
 
 BODY = json.dumps(
     {"model": "tiny/base", "prompt": [1, 2, 3], "max_tokens": 4, "return_token_ids": True}

@@ -330,7 +330,8 @@ def test_server_info_is_one_coherent_server(make_fleet) -> None:
     h = make_fleet(fakes=fakes)
     info = h.client.get("/server_info", params={"config_format": "json"}).json()
     cfg = info["vllm_config"]
-    assert cfg["parallel_config"]["data_parallel_size"] == 1
+    # One replica runs data parallel: TRL must take the merged path, as against it alone.
+    assert cfg["parallel_config"]["data_parallel_size"] == 2
     assert cfg["lora_config"]["max_loras"] == 4
     assert cfg["lora_config"]["max_lora_rank"] == 2
 
@@ -359,12 +360,17 @@ def test_models_lists_base_first_then_adapters_on_every_replica(make_fleet) -> N
     assert [d["id"] for d in data[1:]] == ["trl-policy-v1"]
 
 
-def test_nccl_endpoints_refused_with_several_replicas(make_fleet) -> None:
+def test_weight_transfer_endpoints_answer_for_several_replicas(make_fleet) -> None:
+    """FakeVllm has no weight-transfer endpoints (like vLLM without VLLM_SERVER_DEV_MODE): the
+    world size probe names each replica and why, never a 404 (test_merged_weights.py covers
+    replicas that have them)."""
     h = make_fleet(2)
     r = h.client.get("/get_world_size")
-    assert r.status_code == 501
-    assert "adapter-only sync" in r.json()["error"]["message"]
-    assert h.client.post("/init_weight_transfer_engine", json={}).status_code == 501
+    assert r.status_code == 502
+    error = r.json()["error"]
+    assert "VLLM_SERVER_DEV_MODE" in error["message"]
+    assert [d["replica"] for d in error["details"]] == [0, 1]
+    assert h.client.post("/start_weight_update").status_code == 409
 
 
 def test_unknown_route_is_openai_shaped(make_fleet) -> None:

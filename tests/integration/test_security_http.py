@@ -370,10 +370,9 @@ def _assert_relayed_clean(response: httpx.Response) -> None:
     assert "set-cookie" not in response.headers and "x-internal-route" not in response.headers
 
 
-@pytest.mark.parametrize("transport", ["lean", "aiohttp", "httpx"])
-def test_hop_by_hop_and_host_are_not_forwarded(make_fleet, transport: str) -> None:
+def test_hop_by_hop_and_host_are_not_forwarded(make_fleet) -> None:
     fake = LeakyVllm(name="r0")
-    h = make_fleet(fakes=[fake], upstream_transport=transport)
+    h = make_fleet(fakes=[fake])
     r = h.client.post("/v1/completions", json=completion(), headers=HOP_BY_HOP_IN)
     assert r.status_code == 200
     _assert_clean(fake.seen_headers[-1], h.replicas[0].url)
@@ -391,8 +390,7 @@ def test_hop_by_hop_and_host_are_not_forwarded(make_fleet, transport: str) -> No
     _assert_relayed_clean(r)
 
 
-@pytest.mark.parametrize("transport", ["lean", "aiohttp", "httpx"])
-def test_cookies_a_replica_sets_are_never_replayed(transport: str) -> None:
+def test_cookies_a_replica_sets_are_never_replayed() -> None:
     """The upstream client is shared by every caller: a replica's Set-Cookie must not ride
     along on later requests. A host name, not an IP: aiohttp's default jar ignores IPs."""
     from proxy.app import create_app
@@ -401,9 +399,7 @@ def test_cookies_a_replica_sets_are_never_replayed(transport: str) -> None:
 
     fake = LeakyVllm(name="r0")
     replica = ServerThread(fake.app()).start()
-    app = create_app(
-        Settings(replicas=[f"http://localhost:{replica.port}"], upstream_transport=transport)
-    )
+    app = create_app(Settings(replicas=[f"http://localhost:{replica.port}"]))
     proxy = ServerThread(app).start()
     try:
         with httpx.Client(base_url=proxy.url, timeout=30) as client:

@@ -15,8 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from fakes.net import free_port
 from tests.support.fake_vllm import FakeVllm
-from tests.support.servers import ServerThread, free_port
+from tests.support.servers import ServerThread
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "hf_" + "Q" * 34

@@ -1,6 +1,7 @@
-"""Upstream TLS over real HTTPS replicas with a private CA (trustme), for both transports:
-verification is on by default (an unknown CA is refused, and says so), PROXY_UPSTREAM_CA_BUNDLE
-trusts exactly that CA, PROXY_UPSTREAM_INSECURE is the explicit opt-out."""
+"""Upstream TLS over real HTTPS replicas with a private CA (trustme), for both clients (the lean
+pool for completions, httpx for control calls and probes): verification is on by default (an
+unknown CA is refused, and says so), PROXY_UPSTREAM_CA_BUNDLE trusts exactly that CA,
+PROXY_UPSTREAM_INSECURE is the explicit opt-out."""
 
 from __future__ import annotations
 
@@ -58,10 +59,9 @@ def run_proxy(urls: list[str], **settings: object) -> tuple[ServerThread, httpx.
 BODY = {"model": "tiny/base", "prompt": [1, 2, 3], "max_tokens": 4}
 
 
-@pytest.mark.parametrize("transport", ["lean", "aiohttp", "httpx"])
-def test_unknown_ca_is_refused_and_named(https_replicas, transport: str) -> None:
+def test_unknown_ca_is_refused_and_named(https_replicas) -> None:
     urls, _, fakes = https_replicas
-    proxy, client = run_proxy(urls, upstream_transport=transport, upstream_token="tls-token-x" * 3)
+    proxy, client = run_proxy(urls, upstream_token="tls-token-x" * 3)
     try:
         r = client.get("/health")
         assert r.status_code == 502
@@ -76,14 +76,13 @@ def test_unknown_ca_is_refused_and_named(https_replicas, transport: str) -> None
     assert all(not f.calls and not f.seen_headers for f in fakes)
 
 
-@pytest.mark.parametrize("transport", ["lean", "aiohttp", "httpx"])
 @pytest.mark.parametrize("mode", ["ca_bundle", "insecure"])
-def test_ca_bundle_or_explicit_insecure_connects(https_replicas, transport: str, mode: str) -> None:
+def test_ca_bundle_or_explicit_insecure_connects(https_replicas, mode: str) -> None:
     urls, bundle, fakes = https_replicas
     extra = (
         {"upstream_ca_bundle": str(bundle)} if mode == "ca_bundle" else {"upstream_insecure": True}
     )
-    proxy, client = run_proxy(urls, upstream_transport=transport, **extra)
+    proxy, client = run_proxy(urls, **extra)
     try:
         assert client.get("/health").status_code == 200
         r = client.post("/v1/completions", json=BODY)

@@ -16,10 +16,11 @@ from typing import Any
 import httpx
 import pytest
 
+from fakes.net import free_port
 from proxy.app import create_app
 from proxy.settings import Settings
 from tests.support.fake_vllm import FakeVllm
-from tests.support.servers import ServerThread, free_port
+from tests.support.servers import ServerThread
 from tests.support.traffic import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]

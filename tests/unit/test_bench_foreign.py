@@ -1,4 +1,5 @@
-"""The second client of the routing benchmark (bench/foreign.py): which groups bypass the router."""
+"""The second client of the routing benchmark (bench/harness/foreign.py): which groups bypass
+the router."""
 
 from __future__ import annotations
 
@@ -8,15 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from bench.foreign import (
+from bench.harness.foreign import (
     ForeignDriver,
     bypassed_continuation_hits,
     describe,
     foreign_groups,
     make_driver,
 )
-from bench.run_routing import _parse_args
-from bench.workload import ControlPlane, Driver, RunTrace, WorkloadConfig
+from bench.harness.workload import ControlPlane, Driver, RunTrace, WorkloadConfig
+from bench.runners.run_routing import _parse_args
 
 
 @pytest.mark.parametrize(

@@ -1,10 +1,11 @@
-"""bench.kv_events_report: the pooled events-vs-index table from several runs' routing.json."""
+"""bench.analysis.kv_events_report: the pooled events-vs-index table from several
+runs' routing.json."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from bench.kv_events_report import pooled
+from bench.analysis.kv_events_report import pooled
 
 
 def result(router: str, n: int, hits: float, tok_s: float, p99: float) -> dict[str, Any]:

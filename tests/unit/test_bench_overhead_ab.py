@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import run_overhead
-from bench.latency_split import split
+from bench.runners import run_overhead
+from bench.runners.latency_split import split
 
 
 def test_proxy_at_label_runs_the_named_checkout(

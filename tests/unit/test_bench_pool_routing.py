@@ -1,4 +1,4 @@
-"""Pooling routing runs over seeds (bench/pool_routing.py)."""
+"""Pooling routing runs over seeds (bench/analysis/pool_routing.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import math
 from pathlib import Path
 
-from bench.pool_routing import main, paired, pool, render, render_paired, verdicts
+from bench.analysis.pool_routing import main, paired, pool, render, render_paired, verdicts
 
 
 def _run(tok_s: dict[str, float], p99: float = 5.0) -> dict[str, object]:

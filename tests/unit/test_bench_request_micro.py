@@ -1,10 +1,10 @@
-"""The in-process request harness (bench/request_micro.py)."""
+"""The in-process request harness (bench/harness/request_micro.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from bench.request_micro import request_timings
+from bench.harness.request_micro import request_timings
 
 
 def test_every_stage_of_a_routed_request_runs_once() -> None:

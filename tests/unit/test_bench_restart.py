@@ -1,4 +1,5 @@
-"""bench/restart.py: when the mid-run restart happens, and what its report reads from a dump."""
+"""bench/analysis/restart.py: when the mid-run restart happens, and what its report reads from
+a dump."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.restart import after_restart, restart_after, run_with_restart
-from bench.workload import RolloutSpec, TurnSpec
+from bench.analysis.restart import after_restart, restart_after, run_with_restart
+from bench.harness.workload import RolloutSpec, TurnSpec
 
 
 def plan(turns_per_rollout: list[int]) -> list[RolloutSpec]:
@@ -57,7 +58,8 @@ def test_hits_after_the_restart_and_each_rollouts_first_turn_after_it(tmp_path: 
 
 
 class FakeDriver:
-    """What run_with_restart touches of bench.workload.Driver: answers one request per tick."""
+    """What run_with_restart touches of bench.harness.workload.Driver: answers one request per
+    tick."""
 
     def __init__(self, requests: int) -> None:
         self.base_url = "http://old"

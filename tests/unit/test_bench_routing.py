@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from bench.routers import ROUTERS, rust_router_argv, select, trees
-from bench.run_routing import (
+from bench.harness.routers import ROUTERS, rust_router_argv, select, trees
+from bench.harness.simulator import SimConfig
+from bench.harness.workload import RequestRecord, RunTrace
+from bench.runners.run_routing import (
     RunResult,
     _added_latency_ms,
     _busy_before_drain,
@@ -20,8 +22,6 @@ from bench.run_routing import (
     events_workloads,
     probe_interval,
 )
-from bench.simulator import SimConfig
-from bench.workload import RequestRecord, RunTrace
 
 
 def test_workloads_and_fleet_sizes_are_selectable() -> None:

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from bench.routing_memory import drain_critical_path, memory_summary, placement_classes
-from bench.simulator import SimConfig
-from bench.workload import RequestRecord
+from bench.analysis.routing_memory import drain_critical_path, memory_summary, placement_classes
+from bench.harness.simulator import SimConfig
+from bench.harness.workload import RequestRecord
 
 
 def _req(rollout: int, turn: int, t_send: float, prompt: int, cached: int) -> RequestRecord:
@@ -79,7 +79,7 @@ def test_memory_summary_is_fleet_wide_and_per_second() -> None:
 
 
 def test_idle_attribution_separates_placement_from_the_tail() -> None:
-    from bench.routing_memory import idle_attribution
+    from bench.analysis.routing_memory import idle_attribution
 
     # Two replicas over 10 s. 0-4 s: two requests on replica 0, replica 1 idle: movable.
     # 4-6 s: one request on each: nobody idle. 6-10 s: one request left, on replica 1, and

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.simulator import Allocation, KVCache, Replica, SimClock, SimConfig, block_hashes
+from bench.harness.simulator import Allocation, KVCache, Replica, SimClock, SimConfig, block_hashes
 
 BS = 4  # small blocks keep the tables readable
 

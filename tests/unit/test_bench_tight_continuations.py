@@ -1,4 +1,4 @@
-"""bench/tight_continuations.py: where a run's continuations lose their cache."""
+"""bench/analysis/tight_continuations.py: where a run's continuations lose their cache."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from bench.tight_continuations import analyse
+from bench.analysis.tight_continuations import analyse
 
 
 def _row(

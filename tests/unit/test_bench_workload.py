@@ -7,11 +7,10 @@ import math
 
 import pytest
 
-from bench.oracle import oracle_hits, throughput_ceiling
-from bench.profile_proxy import buckets, parse_raw
-from bench.report import percentile, table
-from bench.simulator import SimConfig, completion_length
-from bench.workload import (
+from bench.analysis.report import percentile, table
+from bench.harness.oracle import oracle_hits, throughput_ceiling
+from bench.harness.simulator import SimConfig, completion_length
+from bench.harness.workload import (
     WORKLOADS,
     RequestRecord,
     WorkloadConfig,
@@ -21,6 +20,7 @@ from bench.workload import (
     plan_summary,
     working_set_blocks,
 )
+from bench.runners.profile_proxy import buckets, parse_raw
 
 
 def test_plan_is_deterministic_in_the_seed() -> None:

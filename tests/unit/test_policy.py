@@ -50,7 +50,7 @@ def test_ties_are_round_robin() -> None:
 
 
 def test_bench_baselines_are_choosable_only_once_registered() -> None:
-    from bench.baseline_policies import LeastLoaded, RoundRobin, register
+    from bench.harness.baseline_policies import LeastLoaded, RoundRobin, register
 
     rr = RoundRobin()
     picks = [rr.choose([Candidate(0, 9, 9), Candidate(1, 0, 0)]).replica for _ in range(4)]
@@ -68,7 +68,7 @@ def test_bench_baselines_are_choosable_only_once_registered() -> None:
 
 @pytest.mark.parametrize("name", ["round_robin", "least_loaded"])
 def test_a_removed_baseline_is_refused_naming_the_default(name: str) -> None:
-    with pytest.raises(ValueError, match=r"use 'cost'.*bench\.proxy_with_baselines"):
+    with pytest.raises(ValueError, match=r"use 'cost'.*bench\.harness\.proxy_with_baselines"):
         make_policy(name, 8)
 
 
@@ -211,7 +211,7 @@ def test_memory_keeps_a_group_together_where_compute_alone_splits_it() -> None:
 
 
 def test_an_h100s_cache_never_charges_memory_for_the_benchmarks_roomy_workloads() -> None:
-    """grpo and agentic run on 140,000-block replicas (bench/simulator.py: an H100-80GB's KV
+    """grpo and agentic run on 140,000-block replicas (bench/harness/simulator.py: an H100-80GB's KV
     cache for this model): 2.24M tokens hold 254 requests of the longest 8,192-token context plus
     600 expected tokens, more than the 64 rollouts TRL keeps in flight. There the memory term is
     zero and the policy decides exactly as before it existed."""

@@ -10,7 +10,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -103,12 +102,6 @@ def http_ok(url: str) -> bool:
         return httpx.get(url, timeout=2.0).status_code == 200
     except httpx.HTTPError:
         return False
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 
-from scripts.vllm_replicas import free_port
+from fakes.net import free_port
 from tests.e2e.vllm_support import REPO_ROOT
 
 # The proxy answers /health 200 once every replica does; its probes run every few seconds.

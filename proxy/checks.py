@@ -1,0 +1,40 @@
+"""Checks shared by the settings (at start-up) and the security modules (per request).
+
+A leaf of the import graph: it imports nothing from the proxy, so ``proxy.settings`` and
+``proxy.security`` both use it without depending on each other.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import posixpath
+
+# Shortest inbound key accepted: a guessable key defeats constant-time comparison;
+# ``secrets.token_urlsafe(32)`` gives 43 characters.
+MIN_KEY_CHARS = 16
+
+
+def normalize_root(root: str) -> str:
+    """An allow-list root in canonical form; raises ValueError when it is not absolute."""
+    root = root.strip()
+    if not root.startswith("/"):
+        raise ValueError(f"adapter root {root!r} must be an absolute path")
+    if any(ord(c) < 0x20 for c in root):
+        raise ValueError("adapter roots must not contain control characters")
+    return normpath(root)
+
+
+def normpath(path: str) -> str:
+    # posixpath.normpath keeps a leading '//' (POSIX leaves its meaning to the implementation);
+    # Linux treats it as '/', and so do we, so '//etc' cannot slip past a '/etc' comparison.
+    normalized = posixpath.normpath(path)
+    return "/" + normalized.lstrip("/")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

@@ -1,0 +1,366 @@
+"""TRL's merged-weight sync (vLLM weight transfer) through the proxy to every replica.
+
+The replicas form one process group with the trainer (rank 0): ``/get_world_size`` answers the
+sum of the replicas' world sizes, ``/init_weight_transfer_engine`` gives each replica its own
+``rank_offset`` (proxy/core/weights.py ``seats``), and ``/start_weight_update``,
+``/update_weights`` and ``/finish_weight_update`` go to every seated replica at once. The tensors
+travel from the trainer to each replica directly; this module carries only the HTTP.
+
+Every answer lists each replica's outcome. 200 only when every seated replica applied the call;
+otherwise an OpenAI-shaped error (504 when a replica timed out, else 502; 409 for an update with
+no group formed here) whose ``details`` name each replica and its reason, and the replicas that
+failed stop serving (their weights are not the fleet's) until a sync completes on them whole.
+Each replica call is bounded by PROXY_CONTROL_TIMEOUT_S, so no answer waits longer than that.
+Calls are serialised with the other control calls (ControlPlane.lock).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from proxy.control import ControlPlane, Reply
+from proxy.core.fleet import Fleet, Replica, Status
+from proxy.core.weights import (
+    ENDPOINTS,
+    WeightBook,
+    check_version,
+    parse_world_size,
+    seats,
+)
+from proxy.errors import (
+    BroadcastFailed,
+    Conflict,
+    InvalidRequest,
+    ProxyError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
+from proxy.metrics import Metrics
+from proxy.settings import Settings
+from proxy.upstream import Upstream
+
+log = logging.getLogger("rollout_proxy.weights")
+
+NO_SIZES = "no replica reported its world size"
+
+
+@dataclass
+class Outcome:
+    replica: int
+    result: str  # ok | failed | timeout | unreachable | refused | invalid | removed
+    http_status: int | None = None
+    detail: str = ""
+    extra: dict[str, Any] | None = None
+    value: Any = None  # the parsed answer where the caller needs it (world size)
+
+    @property
+    def ok(self) -> bool:
+        return self.result == "ok"
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "replica": self.replica,
+            "result": self.result,
+            "http_status": self.http_status,
+        }
+        if self.detail:
+            out["detail"] = self.detail
+        if self.extra:
+            out.update(self.extra)
+        return out
+
+    def describe(self) -> str:
+        status = f" (HTTP {self.http_status})" if self.http_status is not None else ""
+        return f"replica {self.replica}: {self.result}{status}" + (
+            f": {self.detail}" if self.detail else ""
+        )
+
+
+def _parse_object(raw: bytes, *, optional: bool = False) -> dict[str, Any]:
+    if optional and not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except ValueError as exc:
+        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    return body
+
+
+def _int_field(info: dict[str, Any], name: str, low: int) -> int:
+    value = info.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise InvalidRequest(f"'init_info.{name}' must be an integer >= {low}", param=name)
+    return value
+
+
+class WeightSync:
+    def __init__(
+        self,
+        settings: Settings,
+        fleet: Fleet,
+        upstream: Upstream,
+        control: ControlPlane,
+        metrics: Metrics,
+    ) -> None:
+        self.settings = settings
+        self.fleet = fleet
+        self.upstream = upstream
+        self.control = control
+        self.metrics = metrics
+
+    @property
+    def book(self) -> WeightBook:
+        return self.fleet.weights
+
+    # -- one call to one replica ---------------------------------------------------------------
+
+    async def _call(
+        self, replica: Replica, method: str, path: str, body: Any = None, params: str | None = None
+    ) -> tuple[Outcome, httpx.Response | None]:
+        limit = self.settings.control_timeout_s
+        timeout = httpx.Timeout(limit, connect=min(self.settings.connect_timeout_s, limit))
+        try:
+            # asyncio.timeout bounds the whole call (httpx's bounds each read), so a replica
+            # that trickles bytes cannot hold the answer past PROXY_CONTROL_TIMEOUT_S either.
+            async with asyncio.timeout(limit):
+                response = await self.upstream.call(
+                    replica.index,
+                    replica.url,
+                    method,
+                    path,
+                    json=body,
+                    params=params,
+                    timeout=timeout,
+                )
+        except TimeoutError:
+            detail = f"no answer within {limit:g}s (PROXY_CONTROL_TIMEOUT_S)"
+            return Outcome(replica.index, "timeout", None, detail), None
+        except UpstreamTimeout as exc:
+            return Outcome(replica.index, "timeout", None, exc.message), None
+        except ProxyError as exc:
+            return Outcome(replica.index, "unreachable", None, exc.message), None
+        status = response.status_code
+        if status == 200:
+            return Outcome(replica.index, "ok", 200), response
+        text = response.text[:300]
+        if status == 404:
+            detail = (
+                f"{path} not found: the replica needs VLLM_SERVER_DEV_MODE=1 and "
+                '--weight-transfer-config \'{"backend": "nccl"}\''
+            )
+        else:
+            detail = text
+        return Outcome(replica.index, "refused" if status < 500 else "failed", status, detail), None
+
+    async def _fan(
+        self,
+        replicas: list[Replica],
+        method: str,
+        path: str,
+        bodies: dict[int, Any] | None = None,
+        params: str | None = None,
+    ) -> list[tuple[Outcome, httpx.Response | None]]:
+        endpoint = path.lstrip("/")
+
+        async def one(r: Replica) -> tuple[Outcome, httpx.Response | None]:
+            if r.status is Status.REMOVED:
+                detail = "removed from the fleet; its ranks cannot take part in the group"
+                return Outcome(r.index, "removed", None, detail), None
+            body = bodies.get(r.index) if bodies else None
+            return await self._call(r, method, path, body, params)
+
+        results = list(await asyncio.gather(*(one(r) for r in replicas)))
+        for o, _ in results:
+            self.metrics.broadcasts.labels(endpoint, str(o.replica), o.result).inc()
+        return results
+
+    # -- answers --------------------------------------------------------------------------------
+
+    def _refusal(self, endpoint: str, what: str, outcomes: list[Outcome]) -> ProxyError:
+        failed = [o for o in outcomes if not o.ok]
+        message = f"{endpoint}: {what}: " + "; ".join(o.describe() for o in failed)
+        details = [o.as_dict() for o in outcomes]
+        if any(o.result == "timeout" for o in failed):
+            return UpstreamTimeout(message, details=details)
+        if all(o.result == "unreachable" for o in failed):
+            return UpstreamUnavailable(message, status_code=503, details=details)
+        return BroadcastFailed(message, status_code=502, details=details)
+
+    def _seated(self) -> list[Replica]:
+        if not self.book.active:
+            raise Conflict(
+                "no weight-transfer group was formed through this proxy: call "
+                "/init_weight_transfer_engine first (after a proxy restart the trainer must "
+                "form a new group: start a new run)"
+            )
+        return [r for r in self.fleet.replicas if r.weights.seat is not None]
+
+    def refresh_gauges(self) -> None:
+        for r in self.fleet.members():
+            label = str(r.index)
+            self.metrics.weight_seq.labels(label).set(r.weights.seq)
+            self.metrics.weights_stale.labels(label).set(0 if r.weights.ok else 1)
+
+    async def _exclusive(self, call: Any) -> Reply:
+        async with self.control.lock:
+            self.control.in_flight += 1
+            try:
+                result: Reply = await call()
+                return result
+            finally:
+                self.control.in_flight -= 1
+                self.refresh_gauges()
+
+    # -- /get_world_size ------------------------------------------------------------------------
+
+    async def _world_sizes(self, query: str) -> list[Outcome]:
+        # A query (vLLM's include_dp) is passed on as is; TRL sends none.
+        members = self.fleet.members()
+        results = await self._fan(members, "GET", "/get_world_size", None, query or None)
+        outcomes: list[Outcome] = []
+        for o, response in results:
+            if response is not None:
+                try:
+                    o.value = parse_world_size(response.json())
+                    o.extra = {"world_size": o.value}
+                except ValueError as exc:
+                    o.result, o.detail = "invalid", f"/get_world_size answer: {exc}"
+            outcomes.append(o)
+        return outcomes
+
+    async def get_world_size(self, query: str) -> Reply:
+        async def call() -> Reply:
+            outcomes = await self._world_sizes(query)
+            ok = [o for o in outcomes if o.ok]
+            if not ok:
+                raise self._refusal("get_world_size", NO_SIZES, outcomes)
+            self.book.sizes = [(o.replica, o.value) for o in ok]
+            total = sum(o.value for o in ok)
+            body = {"world_size": total, "replicas": [o.as_dict() for o in outcomes]}
+            return Reply(200, body)
+
+        return await self._exclusive(call)
+
+    # -- /init_weight_transfer_engine ------------------------------------------------------------
+
+    async def init(self, raw: bytes) -> Reply:
+        body = _parse_object(raw)
+        info = body.get("init_info")
+        if not isinstance(info, dict):
+            raise InvalidRequest("'init_info' must be a JSON object", param="init_info")
+        base = _int_field(info, "rank_offset", 0)
+        world_size = _int_field(info, "world_size", 1)
+
+        async def call() -> Reply:
+            if self.book.sizes is None:
+                outcomes = await self._world_sizes("")
+                if not any(o.ok for o in outcomes):
+                    raise self._refusal("init_weight_transfer_engine", NO_SIZES, outcomes)
+                self.book.sizes = [(o.replica, o.value) for o in outcomes if o.ok]
+            group, total = seats(self.book.sizes, base)
+            if world_size != total:
+                raise InvalidRequest(
+                    f"init_weight_transfer_engine: world_size {world_size} does not match the "
+                    f"fleet's group: rank_offset {base} + replicas' world sizes "
+                    f"{[s for _, s in self.book.sizes]} = {total} (ask /get_world_size again)",
+                    param="world_size",
+                )
+            by_index = {s.replica: s for s in group}
+            replicas = [self.fleet.replicas[s.replica] for s in group]
+            bodies = {
+                s.replica: {**body, "init_info": {**info, "rank_offset": s.rank_offset}}
+                for s in group
+            }
+            results = await self._fan(replicas, "POST", "/init_weight_transfer_engine", bodies)
+            outcomes = [o for o, _ in results]
+            for o in outcomes:
+                seat = by_index[o.replica]
+                o.extra = {"rank_offset": seat.rank_offset, "world_size": seat.world_size}
+            if not all(o.ok for o in outcomes):
+                raise self._refusal(
+                    "init_weight_transfer_engine",
+                    "the group was not formed (no routing change)",
+                    outcomes,
+                )
+            master = info.get("master_address")
+            port = info.get("master_port")
+            where = f"{master}:{port}" if isinstance(master, str) else None
+            self.book.form(self.fleet.weight_states(), group, total, where)
+            self.book.sizes = None  # the next group asks again
+            log.info("weight-transfer group formed: world size %d, seats %s", total, group)
+            return Reply(
+                200,
+                {
+                    "message": "Weight transfer initialized",
+                    "world_size": total,
+                    "replicas": [o.as_dict() for o in outcomes],
+                },
+            )
+
+        return await self._exclusive(call)
+
+    # -- start / update / finish -----------------------------------------------------------------
+
+    async def _step(self, step: str, body: Any, label: str | None = None) -> Reply:
+        endpoint = ENDPOINTS[step]
+        seated = self._seated()
+        if step == "start":
+            self.book.begin(r.weights for r in self.fleet.replicas)
+        results = await self._fan(seated, "POST", "/" + endpoint, {r.index: body for r in seated})
+        outcomes = [o for o, _ in results]
+        for o in outcomes:
+            w = self.fleet.replicas[o.replica].weights
+            if o.ok:
+                self.book.applied(w, step)
+            else:
+                self.book.failed(w, step, o.describe())
+        extra: dict[str, Any] = {}
+        if step == "finish":
+            assert label is not None
+            serving = self.book.finish(self.fleet.weight_states(), label)
+            extra = {"weight_version": label if serving else None, "serving": serving}
+        if not all(o.ok for o in outcomes):
+            what = "not applied on every replica; those that failed take no traffic"
+            if step == "finish":
+                what += f" (replicas {extra['serving']} serve weight version {label})"
+            raise self._refusal(endpoint, what, outcomes)
+        messages = {
+            "start": "Weight update started",
+            "update": "Weights updated",
+            "finish": "Weight update finished",
+        }
+        return Reply(
+            200,
+            {"message": messages[step], **extra, "replicas": [o.as_dict() for o in outcomes]},
+        )
+
+    async def start(self, raw: bytes) -> Reply:
+        body = _parse_object(raw, optional=True)
+        return await self._exclusive(lambda: self._step("start", body))
+
+    async def update(self, raw: bytes) -> Reply:
+        body = _parse_object(raw)
+        if not isinstance(body.get("update_info"), dict | list):
+            raise InvalidRequest("'update_info' must be a JSON object or list", param="update_info")
+        return await self._exclusive(lambda: self._step("update", body))
+
+    async def finish(self, raw: bytes) -> Reply:
+        body = _parse_object(raw, optional=True)
+        try:
+            given = check_version(body.get("weight_version"))
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), param="weight_version") from None
+
+        async def call() -> Reply:
+            label = self.book.next_label(given)
+            return await self._step("finish", {**body, "weight_version": label}, label)
+
+        return await self._exclusive(call)
