@@ -117,11 +117,11 @@ class PrefixIndex:
         if count < len(values):
             values = values[:count]
         eligible = mask_of(replicas) << _HOLDERS_SHIFT
-        # Holders and flags masked in place by C-level maps (no bytecode per block); most
-        # chains never branch, and the list of bools is built only when one does.
-        flags = list(map(_BRANCH_BITS.__and__, values))
+        # Holders masked in place (not shifted down block by block); most chains never branch,
+        # and the list of bools is built only when one does.
+        held = [v & eligible for v in values]
+        flags = [v & _BRANCH_BITS for v in values]
         branching = [f == BRANCHING for f in flags] if BRANCHING in flags else []
-        held = list(map(eligible.__and__, values))
         return prefix_reach(held, branching, eligible, replicas, _HOLDERS_SHIFT)
 
     def record(self, keys: Sequence[int], replica: int, known: Sequence[int] | None = None) -> None:

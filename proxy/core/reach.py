@@ -39,8 +39,8 @@ def prefix_reach(
     holds; block ``d`` is common when every eligible replica holds it or it branches, and common
     is inherited by every block before it (``specific`` turns reach into the match that counts
     as affinity). ``shift``: replica ``r`` is bit ``r + shift`` of ``held`` and ``eligible``
-    (the prefix index passes its values masked in place, by a C-level map, rather than shifted
-    down block by block)."""
+    (the prefix index passes its values masked in place rather than shifted down block by
+    block)."""
     n = len(held)
     if n and held.count(held[0]) == n:
         # Every block held by the same replicas (a prompt only ever sent whole): one C-level
