@@ -1,4 +1,6 @@
-"""``rollout-proxy`` / ``python -m proxy``: settings -> app -> server (proxy/server.py)."""
+"""``rollout-proxy`` / ``python -m proxy``: settings -> app -> server (proxy/server.py).
+
+``python -m proxy status --url URL [--watch]`` prints the fleet instead (proxy/status.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,10 @@ log = logging.getLogger("rollout_proxy")
 
 def main(argv: list[str] | None = None) -> None:
     args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["status"]:
+        from proxy.status import main as status
+
+        sys.exit(status(args[1:]))
     removed = removed_settings(args, os.environ)
     if removed:
         sys.exit(f"rollout-proxy: invalid configuration: {'; '.join(removed)}")

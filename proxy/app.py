@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from proxy.control import ControlPlane, Reply
 from proxy.core import native
 from proxy.core.extract import Tokenizer
-from proxy.core.fleet import Fleet, Status
+from proxy.core.fleet import Fleet, Replica, Status
 from proxy.core.hashing import BlockHasher, make_hasher
 from proxy.core.policy import POLICIES, Policy, make_policy
 from proxy.core.prefix_index import PrefixIndex
@@ -42,6 +42,7 @@ from proxy.hotpath import DataPath, ProxyApp, parse_json
 from proxy.membership import Membership, describe
 from proxy.metrics import Metrics
 from proxy.probes import Probes
+from proxy.reconciler import wait_for_replica
 from proxy.relay import make_relay
 from proxy.security.adapter_roots import AdapterRoots
 from proxy.security.guard import Guard, SecurityMiddleware
@@ -164,7 +165,13 @@ def build_runtime(settings: Settings, transport: httpx.AsyncBaseTransport | None
         (token.encode(),) if token else (),
     )
     relay = make_relay(settings, upstream, transport is not None)
-    data = DataPlane(fleet, router, relay, metrics, control.eject, guard, kv_events)
+    changes = control.reconciler.changes
+    clock = control.clock
+
+    async def wait_for(model: str) -> list[Replica]:
+        return await wait_for_replica(fleet, changes, model, settings.adapter_wait_s, clock)
+
+    data = DataPlane(fleet, router, relay, metrics, control.eject, guard, kv_events, wait_for)
     return Runtime(
         settings=settings,
         metrics=metrics,
@@ -322,7 +329,8 @@ def _error_handlers(app: FastAPI, rt: Runtime, echo_secrets: tuple[str, ...]) ->
     @app.exception_handler(ProxyError)
     async def proxy_error(request: Request, exc: ProxyError) -> JSONResponse:
         rt.metrics.count_request(_route_of(request), "none", exc.status_code)
-        return JSONResponse(redact(exc.to_body(), echo_secrets), exc.status_code)
+        headers = {"retry-after": str(exc.retry_after)} if exc.retry_after is not None else None
+        return JSONResponse(redact(exc.to_body(), echo_secrets), exc.status_code, headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -348,10 +356,12 @@ def _error_handlers(app: FastAPI, rt: Runtime, echo_secrets: tuple[str, ...]) ->
 
 def _probe_routes(app: FastAPI, rt: Runtime) -> None:
     @app.get("/health")
-    async def health() -> JSONResponse:
+    async def health(strict: bool = False) -> JSONResponse:
+        """200 while the fleet can serve (TRL and readiness probes); ``?strict=true``: 200 only
+        when every replica is ready in the desired state (docs/reliability-publish.md)."""
         if rt.shutdown.draining:
             return JSONResponse({"status": "shutting down"}, 503)
-        status, body = await rt.probes.health()
+        status, body = await rt.probes.health(strict)
         if rt.fleet.weights.active:  # merged-weight sync: which replicas hold which weights
             body["weights"] = rt.fleet.weights.describe(rt.fleet.weight_states())
         return JSONResponse(body, status)
@@ -536,5 +546,20 @@ def fleet_snapshot(rt: Runtime) -> dict[str, Any]:
             "index_blocks": len(rt.router.index),
             "error": rt.data.routing_error,
         },
-        "replicas": [describe(r) for r in rt.fleet.replicas],
+        "replicas": [_replica_view(rt.fleet, r) for r in rt.fleet.replicas],
     }
+
+
+def _replica_view(fleet: Fleet, replica: Replica) -> dict[str, Any]:
+    """One replica in /admin/fleet (what ``python -m proxy status`` shows): its description,
+    what it is waiting for, the desired adapters it lacks and the ones it holds beyond them,
+    the recent prefix-cache hit rate and, where the fleet records one, its weight version."""
+    view = describe(replica)
+    plan = fleet.plan(replica)
+    view["waiting_for"] = fleet.waiting_for(replica)
+    view["missing"] = sorted(plan.load)
+    view["extra"] = sorted(n for n in plan.unload if n not in plan.load)
+    view["serving"] = fleet.serves_anything(replica)
+    view["hit_rate"] = replica.hit_rate
+    view["weight_version"] = replica.weights.version  # None: launch weights, or no group
+    return view

@@ -164,6 +164,7 @@ class ControlPlane:
                 return await call()
             finally:
                 self.in_flight -= 1
+                self.reconciler.changes.notify()  # desired state moved: waiting rollouts re-check
 
     # -- load -------------------------------------------------------------------------------
 

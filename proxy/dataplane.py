@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -44,6 +44,9 @@ log = logging.getLogger("rollout_proxy.dataplane")
 RELAYED_HEADERS = ("content-type", "x-request-id", "cache-control")
 # Engine failures worth trying on another replica (504 is a timeout: retrying doubles the wait).
 RETRIED_STATUSES = frozenset({500, 502, 503})
+# Retry-After of the 503 for a model no replica can serve yet: one probe round (2 s) and a
+# load retry (PROXY_LORA_RETRY_S, 2 s) from now the fleet may have changed.
+NO_REPLICA_RETRY_AFTER_S = 2
 
 
 def _relay_headers(
@@ -167,6 +170,7 @@ class DataPlane:
         eject: Callable[[Replica, str], None],
         guard: Guard | None = None,
         kv_events: KvEvents | None = None,
+        wait_for_replica: Callable[[str], Awaitable[list[Replica]]] | None = None,
     ) -> None:
         # The guard masks the upstream token should a replica ever echo it (the data path runs
         # outside the security middleware that does this for FastAPI's routes).
@@ -176,6 +180,9 @@ class DataPlane:
         self.relay = relay
         self.metrics = metrics
         self.eject = eject
+        # A rollout for a desired adapter no replica can serve yet waits (bounded) for one
+        # (proxy.reconciler.wait_for_replica, PROXY_ADAPTER_WAIT_S) instead of a 503 at once.
+        self.wait_for_replica = wait_for_replica
         self.kv_events = kv_events  # PROXY_KV_EVENTS: checks hit predictions
         # Why no request can be routed (the replicas disagree on block size or hash algorithm;
         # set by app.configure_routing), or None.
@@ -192,7 +199,14 @@ class DataPlane:
         request.lora_path = self.fleet.lora_path(key.model)
         tried: set[int] = set()
         while True:
-            replica, decision = self._pick(request, tried)
+            try:
+                replica, decision = self._pick(request, tried)
+            except UpstreamUnavailable:
+                if tried or self.wait_for_replica is None:
+                    raise
+                # Nobody may serve it yet: a desired adapter waits (bounded) for a replica.
+                await self.wait_for_replica(key.model)
+                replica, decision = self._pick(request, tried)
             tried.add(replica.index)
             answer = await self._attempt(request, replica, decision, tried)
             if answer is not None:
@@ -218,17 +232,23 @@ class DataPlane:
     def _no_replica(self, model: str, tried: set[int]) -> Exception:
         if not self.fleet.is_base_model(model) and not self.fleet.known_anywhere(model):
             return ModelNotFound(f"The model `{model}` does not exist.", param="model")
-        states = ", ".join(f"{r.index}={r.status.value}" for r in self.fleet.members())
+        fleet = self.fleet
+        states = ", ".join(
+            f"{r.index}={r.status.value}" + (f" ({why})" if (why := fleet.waiting_for(r)) else "")
+            for r in fleet.members()
+        )
         if tried:
             return UpstreamUnavailable(
                 f"every eligible replica failed for model `{model}` (tried {sorted(tried)}; "
                 f"replicas: {states})"
             )
-        return UpstreamUnavailable(
-            f"no replica in service has model `{model}` loaded yet (replicas: {states}); "
+        error = UpstreamUnavailable(
+            f"no replica that may serve model `{model}` holds it yet (replicas: {states}); "
             "retry shortly",
             status_code=503,
         )
+        error.retry_after = NO_REPLICA_RETRY_AFTER_S
+        return error
 
     async def _attempt(
         self, request: _Request, replica: Replica, decision: Decision, tried: set[int]

@@ -16,6 +16,8 @@ class ProxyError(Exception):
 
     status_code: int = 500
     error_type: str = "InternalServerError"
+    # Seconds for a Retry-After header (a refusal that time is expected to lift), else None.
+    retry_after: int | None = None
 
     def __init__(
         self,

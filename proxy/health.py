@@ -172,6 +172,7 @@ class HealthMonitor:
         if replica.generation != generation:
             return False
         self.fleet.record_models(replica.index, base, max_len, adapters, paused)
+        self.control.reconciler.changes.notify()
         return True
 
     async def scrape(self, replica: Replica) -> None:
@@ -200,6 +201,9 @@ class HealthMonitor:
         if "kv_usage" in values:
             self.metrics.vllm_kv_usage.labels(label).set(values["kv_usage"])
         if "prefix_queries" in values:
+            self.fleet.record_cache(
+                replica.index, values["prefix_queries"], values.get("prefix_hits", 0.0)
+            )
             self.metrics.vllm_prefix_queries.labels(label).set(values["prefix_queries"])
             self.metrics.vllm_prefix_hits.labels(label).set(values.get("prefix_hits", 0.0))
 

@@ -57,41 +57,54 @@ class Probes:
 
         return list(await asyncio.gather(*(one(r) for r in replicas)))
 
-    async def health(self) -> tuple[int, dict[str, Any]]:
-        members = self.fleet.members()
+    async def health(self, strict: bool = False) -> tuple[int, dict[str, Any]]:
+        """/health: 200 while the fleet can serve, i.e. at least one replica answers its own
+        /health and may take traffic (READY, or reconciling and already holding an adapter it
+        may serve); 503 otherwise. A replica reconciling, ejected or lagging never takes the
+        proxy out of service while another serves. ``strict``: 200 only when every replica
+        answers, is READY and holds the desired state. The body names each replica's state and
+        what it is waiting for (``Fleet.waiting_for``)."""
+        fleet = self.fleet
+        members = fleet.members()
         answers = await self._fan(members, "/health")
-        unreachable, unhealthy = [], []
+        serving: list[int] = []
+        short: list[int] = []
         replicas: dict[str, Any] = {}
         for r, a in zip(members, answers, strict=True):
+            entry: dict[str, Any] = {"status": r.status.value}
             if isinstance(a, ProxyError):
-                unreachable.append(r.index)
-                replicas[str(r.index)] = {
-                    "healthy": False,
-                    "status": r.status.value,
-                    "error": a.message,
-                }
+                ok = False
+                entry["error"] = a.message
             else:
                 ok = a.status_code == 200
-                if not ok:
-                    unhealthy.append(r.index)
-                replicas[str(r.index)] = {
-                    "healthy": ok,
-                    "status": r.status.value,
-                    "http_status": a.status_code,
-                }
-        if unreachable:
-            return 502, {
-                "status": "unreachable",
-                "message": f"replicas {unreachable} cannot be reached",
-                "replicas": replicas,
-            }
-        if unhealthy:
+                entry["http_status"] = a.status_code
+            entry["healthy"] = ok
+            entry["waiting_for"] = fleet.waiting_for(r) if ok else "its /health to answer 200"
+            if ok and fleet.serves_anything(r):
+                serving.append(r.index)
+            if not (ok and fleet.in_desired_state(r)):
+                short.append(r.index)
+            replicas[str(r.index)] = entry
+        body: dict[str, Any] = {"serving": serving, "replicas": replicas}
+        if strict and short:
             return 503, {
-                "status": "unhealthy",
-                "message": f"replicas {unhealthy} are not healthy",
-                "replicas": replicas,
+                "status": "not converged",
+                "message": f"replicas {short} are not ready in the desired state",
+                **body,
             }
-        return 200, {"status": "ok", "replicas": replicas}
+        if not serving:
+            return 503, {
+                "status": "unavailable",
+                "message": f"no replica can serve (replicas {short} are not ready)",
+                **body,
+            }
+        if short:
+            return 200, {
+                "status": "degraded",
+                "message": f"replicas {serving} serve; replicas {short} are not ready",
+                **body,
+            }
+        return 200, {"status": "ok", **body}
 
     def _serving(self) -> list[Replica]:
         serving = self.fleet.serving()

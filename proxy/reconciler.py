@@ -168,6 +168,48 @@ def _classify(
     return "failed", detail
 
 
+class FleetChanges:
+    """Wakes whoever waits for the fleet's state to change: a rollout waiting for a replica to
+    get its adapter. ``notify`` is called after every apply, observation and control call (the
+    only things that move what a replica may serve); waiters re-check the pure rule
+    (``Fleet.awaited``) on each wake-up, so a spurious one costs a list scan, never a wrong
+    answer."""
+
+    def __init__(self) -> None:
+        self._changed: asyncio.Event | None = None
+
+    def notify(self) -> None:
+        changed, self._changed = self._changed, None
+        if changed is not None:
+            changed.set()
+
+    async def wait(self, timeout: float) -> bool:
+        """Until the next change or ``timeout`` seconds; True when something changed."""
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+
+async def wait_for_replica(
+    fleet: Fleet, changes: FleetChanges, model: str, wait_s: float, clock: Callable[[], float]
+) -> list[Replica]:
+    """The replicas eligible for ``model`` once one is, or after ``wait_s`` seconds, or as soon
+    as waiting cannot help (``Fleet.awaited`` turns false: the adapter was unloaded, or a
+    replica may serve it). Woken by ``changes``, not by polling."""
+    if wait_s > 0 and fleet.awaited(model):
+        deadline = clock() + wait_s
+        while fleet.awaited(model):
+            left = deadline - clock()
+            if left <= 0:
+                break
+            await changes.wait(left)
+    return fleet.eligible(model)
+
+
 class Reconciler:
     def __init__(
         self,
@@ -190,6 +232,7 @@ class Reconciler:
         self.sleep = sleep
         self._locks: dict[int, asyncio.Lock] = {}
         self._secrets = tuple(settings.secrets())
+        self.changes = FleetChanges()
 
     def lock(self, replica: Replica) -> asyncio.Lock:
         lock = self._locks.get(replica.index)
@@ -278,6 +321,7 @@ class Reconciler:
                 return Outcome(replica.index, "unreachable", None, exc.message, 1, action.kind)
             finally:
                 replica.generation += 1
+                self.changes.notify()
             result, detail = _classify(action, response, self._secrets)
             believed = replica.adapters.get(action.name)
             if result == "already_loaded" and believed != action.path:
@@ -290,6 +334,7 @@ class Reconciler:
                 )
             if result in APPLIED:
                 self._believe(replica, action)
+                self.changes.notify()
             return Outcome(replica.index, result, response.status_code, detail, 1, action.kind)
 
     def _believe(self, replica: Replica, action: Action) -> None:
@@ -390,6 +435,7 @@ class Reconciler:
             log.warning("replica %d not reconciled yet: %s", replica.index, replica.not_reconciled)
         self.metrics.replica_healthy.labels(label).set(1 if replica.status is Status.READY else 0)
         self.refresh_adapter_gauges()
+        self.changes.notify()
         return outcomes
 
     def refresh_adapter_gauges(self) -> None:

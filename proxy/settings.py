@@ -191,6 +191,17 @@ class Settings(BaseSettings):
     lora_retry_s: float = Field(
         2, gt=0, description="Retry period while a replica answers 404 'No adapter found'."
     )
+    adapter_wait_s: float = Field(
+        30,
+        ge=0,
+        description="How long a rollout for a published adapter that no replica can serve yet "
+        "(its load is under way, or the replicas holding it restarted and reload it) waits for "
+        "one to get it before a 503 with Retry-After; 0 answers at once. Sized against the "
+        "mount lag and TRL: a lagging mount answering 10 'No adapter found' at "
+        "PROXY_LORA_RETRY_S=2 clears in about 20 s, plus one probe round to see it; TRL gives a "
+        "rollout 120 s in all (request_timeout) and retries after 1, 2, 4, 8, 16 s, so 30 s "
+        "leaves 90 s for the generation itself.",
+    )
     health_interval_s: float = Field(
         2, gt=0, description="Probe period; TRL itself polls /health every 2 s."
     )

@@ -36,7 +36,24 @@ def eligibility_ignores_status(world: Any) -> None:
     fleet.eligible = eligible  # type: ignore[method-assign]
 
 
+def ready_only_serving(world: Any) -> None:
+    """The eligibility rule before "publish means served": only READY replicas take traffic (a
+    replica still reloading other adapters after a restart serves nothing, not even the adapter
+    it was just loaded with), and a rollout no replica can take is refused at once."""
+    fleet: Fleet = world.proxy.rt.fleet
+
+    def eligible(model: str) -> list[Replica]:
+        ready = [r for r in fleet.replicas if r.status is Status.READY]
+        if fleet.is_base_model(model):
+            return ready
+        return [r for r in ready if model in r.adapters]
+
+    fleet.eligible = eligible  # type: ignore[method-assign]
+    world.proxy.rt.data.wait_for_replica = None
+
+
 MUTATIONS: dict[str, Callable[[Any], None]] = {
     "ready_only_broadcast": ready_only_broadcast,
     "eligibility_ignores_status": eligibility_ignores_status,
+    "ready_only_serving": ready_only_serving,
 }

@@ -62,6 +62,11 @@ class SimReplica:
         # a call it was able to apply at both ends may still have met one in between.
         self.disruptions = 0
         self.readable_at: dict[str, float] = {}  # adapter path -> when this mount sees it
+        # A mount that comes back lagging after a restart: each path answers "No adapter found"
+        # to its first ``lag_attempts`` loads (counted per path), until ``lag_until`` at most.
+        self.lag_attempts = 0
+        self.lag_until = 0.0
+        self.lag_seen: dict[str, int] = {}
         self._waiters: list[asyncio.Future[None]] = []  # completions in progress
         self._resumed: asyncio.Future[None] | None = None
         self.applied: list[tuple[float, str, str]] = []  # (time, action, name) of 2xx applies
@@ -79,6 +84,7 @@ class SimReplica:
                 w.set_exception(httpx.RemoteProtocolError("connection reset by peer"))
         if self._resumed is not None and not self._resumed.done():
             self._resumed.set_exception(httpx.RemoteProtocolError("connection reset by peer"))
+            self._resumed.exception()  # retrieved: held requests may all have timed out already
         self._resumed = None
         self.adapters.clear()
         self.paused = False
@@ -90,12 +96,20 @@ class SimReplica:
         """The trainer wrote an adapter; this replica's mount sees it after its lag."""
         self.readable_at.setdefault(path, now + self.faults.mount_lag_s)
 
+    def lag_after_restart(self, attempts: int) -> None:
+        """Crash now; once restarted, every path needs ``attempts`` loads to become readable."""
+        self.crash()
+        self.lag_attempts = attempts
+        self.lag_until = float("inf")
+        self.lag_seen.clear()
+
     def mount_lags(self, now: float) -> bool:
-        return any(t > now for t in self.readable_at.values())
+        return now < self.lag_until or any(t > now for t in self.readable_at.values())
 
     def mount_caught_up_at(self, now: float) -> float:
         """When the mount last caught up (an adapter became readable): a fault ending."""
-        return max((t for t in self.readable_at.values() if t <= now), default=0.0)
+        times = [*self.readable_at.values(), self.lag_until]
+        return max((t for t in times if t <= now), default=0.0)
 
     # -- serving --------------------------------------------------------------------------------
 
@@ -140,8 +154,14 @@ class SimReplica:
         self.applied.append((self.world.now(), action, name))
 
     async def load(self, query: str, body: Any) -> httpx.Response:
+        path = body.get("lora_path")
+        lagging = self.world.now() < self.lag_until and self.lag_seen.get(path, 0) < (
+            self.lag_attempts
+        )
+        if lagging:
+            self.lag_seen[path] = self.lag_seen.get(path, 0) + 1
         try:
-            if self.world.now() < self.readable_at.get(body.get("lora_path"), float("inf")):
+            if lagging or self.world.now() < self.readable_at.get(path, float("inf")):
                 raise adapter_not_readable(body.get("lora_name"))
             name, path = self.adapters.check_load(body)
         except VllmError as exc:

@@ -7,7 +7,10 @@ Invariants (README, "Reliability"):
 * I2 every TRL control call is answered 200 whenever at least one replica applied it;
 * I3 a replica that stays healthy reaches the desired state (and READY) within 3 probe rounds;
 * I4 the proxy's own code never answers 500, and its 502/503/504 name a replica and a reason;
-* I5 no task, connection or file descriptor is left at the end.
+* I5 no task, connection or file descriptor is left at the end;
+* I6 publish means served: after a 200 on a load of X, every rollout of X sent before the next
+  unload of X is served, or fails only because no replica holding X stayed alive through it
+  (a replica counts once it has been alive for ``I6_GRACE_S``: the proxy has seen it by then).
 
 Everything random is drawn from one ``random.Random(seed)``, and time is virtual
 (``sim.loop``), so a seed replays exactly.
@@ -20,6 +23,7 @@ import json
 import logging
 import os
 import random
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,10 +65,15 @@ FAULT_KINDS = (
     "probe_timeout",
     "partition",
     "proxy_restart",
+    "restart_all",  # every replica at once, their mount lagging on reload (the reported run)
 )
 # A replica counts as healthy for I3 once this long has passed since its last fault and since
 # the desired state last changed: 3 probe rounds, plus one probe budget for the round in flight.
 I3_WINDOW_S = 3 * HEALTH_INTERVAL_S + PROBE_TIMEOUT_S
+TIMED_OUT = re.compile(r"replica (\d+) timed out")
+# A replica alive this long has been probed and observed since its fault ended: two probe
+# rounds plus one probe budget.
+I6_GRACE_S = 2 * HEALTH_INTERVAL_S + PROBE_TIMEOUT_S
 
 
 @dataclass
@@ -76,7 +85,9 @@ class Fault:
     detail: str = ""
 
     def describe(self) -> str:
-        who = "proxy" if self.kind == "proxy_restart" else f"replica {self.replica}"
+        who = {"proxy_restart": "proxy", "restart_all": "every replica"}.get(
+            self.kind, f"replica {self.replica}"
+        )
         extra = f" ({self.detail})" if self.detail else ""
         return f"t={self.at:6.2f}s {self.kind:<17} {who} for {self.duration:.2f}s{extra}"
 
@@ -102,6 +113,8 @@ def draw_schedule(rng: random.Random, replicas: int) -> list[Fault]:
             duration = RUN_S
         elif kind == "proxy_restart":
             duration = 0.5
+        elif kind == "restart_all":
+            detail = f"{rng.choice((3, 6, 10))} load attempts 404 per adapter"
         faults.append(Fault(at, kind, replica, duration, detail))
     return sorted(faults, key=lambda f: f.at)
 
@@ -145,6 +158,11 @@ class World:
         self.result = Result(seed, self.schedule)
         self.mutate = mutate
         self.healthy_since = [0.0] * replicas  # when each replica's last fault ended
+        # The same, for faults that stop a replica serving (a lagging mount does not): I6.
+        self.alive_since = [0.0] * replicas
+        self.published: dict[str, float] = {}  # adapter -> when its load was answered 200
+        self.unloading: dict[str, float] = {}  # adapter -> when its last unload call began
+        self.pauses = self.resumes = 0  # trainer pauses begun, and how many a resume lifted
         self.desired_changed_at = 0.0
         self.control_busy = False
         self.proxy_down = False
@@ -188,6 +206,9 @@ class World:
             self._restarts.append(restart)
             await asyncio.shield(restart)
             return
+        if fault.kind == "restart_all":
+            await self._restart_all(fault)
+            return
         replica = self.replicas[fault.replica]
         f = replica.faults
         undo: Callable[[], None]
@@ -219,9 +240,28 @@ class World:
             replica.disruptions += 1
         if fault.kind != "missing_endpoints":  # a permanent trait, not a fault: I3 must hold
             self.healthy_since[fault.replica] = float("inf")
+        if fault.kind not in ("missing_endpoints", "mount_lag"):
+            self.alive_since[fault.replica] = float("inf")
         await asyncio.sleep(fault.duration)
         undo()
         self.healthy_since[fault.replica] = self.now()
+        if fault.kind != "mount_lag":
+            self.alive_since[fault.replica] = self.now()
+
+    async def _restart_all(self, fault: Fault) -> None:
+        """Every replica crashes at once and comes back with a mount that answers "No adapter
+        found" to the first N loads of each adapter. The reconciler tries each missing adapter
+        once per probe round, so the mount is treated as caught up (I3) after N rounds."""
+        attempts = int(fault.detail.split()[0])
+        for r in self.replicas:
+            r.lag_after_restart(attempts)
+            self.healthy_since[r.index] = self.alive_since[r.index] = float("inf")
+        await asyncio.sleep(fault.duration)
+        now = self.now()
+        for r in self.replicas:
+            r.restart()
+            r.lag_until = now + attempts * HEALTH_INTERVAL_S + PROBE_TIMEOUT_S
+            self.healthy_since[r.index] = self.alive_since[r.index] = now
 
     def _unhealthy(self, replica: SimReplica) -> bool:
         f = replica.faults
@@ -337,6 +377,7 @@ class World:
             self.version += 1
             v = self.version
             path = f"/adapters/trl-policy-v{v}"
+            self.pauses += 1  # the trainer holds rollouts itself until it resumes (I6)
             await self._control("pause", query="mode=keep")
             for r in self.replicas:  # the trainer saves and renames the adapter meanwhile
                 r.publish(path, self.now())
@@ -345,9 +386,13 @@ class World:
             loaded = await self._control("load", json.dumps(body).encode())
             if loaded.status == 200:
                 self.serving_version = v
-            await self._control("resume")
+                self.published[f"trl-policy-v{v}"] = self.now()
+            resumed = await self._control("resume")
+            if resumed.status == 200:
+                self.resumes = self.pauses
             old = v - MAX_STALENESS - 1
             if old >= 1:
+                self.unloading[f"trl-policy-v{old}"] = self.now()
                 await self._control(
                     "unload", json.dumps({"lora_name": f"trl-policy-v{old}"}).encode()
                 )
@@ -383,9 +428,15 @@ class World:
             if self.proxy_down:
                 await asyncio.sleep(0.5)
                 continue
+            sent_at = self.now()
+            alive = self._living_holders(model, sent_at)
+            faults_before = list(self.alive_since)
+            pauses = self.pauses if self.pauses == self.resumes else -1
             answer = await self.proxy.complete(body, f"sim-{seed}")
             self.result.completions += 1
             self._check_answer(f"completion {model}", answer)
+            if pauses == self.pauses:  # not held by a pause of the trainer's own at any point
+                self._check_published_served(model, sent_at, alive, answer, faults_before)
             if answer.status == 200:
                 choices = answer.body.get("choices") if isinstance(answer.body, dict) else None
                 if isinstance(choices, list) and choices:
@@ -409,6 +460,51 @@ class World:
             self._check_answer(f"probe {endpoint}", answer)
 
     # -- invariants -------------------------------------------------------------------------
+
+    def _living_holders(self, model: str, at: float) -> dict[int, int]:
+        """Replicas holding ``model`` now, alive for I6_GRACE_S: index -> incarnation."""
+        return {
+            r.index: r.incarnation
+            for r in self.replicas
+            if model in r.adapters and self.alive_since[r.index] <= at - I6_GRACE_S
+        }
+
+    def _check_published_served(
+        self,
+        model: str,
+        sent_at: float,
+        alive: dict[int, int],
+        answer: Answer,
+        faults_before: list[float],
+    ) -> None:
+        """I6: a rollout of a published adapter fails only if no replica holding it stayed
+        alive (same process, no fault begun) from its sending to its answer. One exception,
+        the data plane's documented rule: a completion that timed out on a replica that had a
+        fault meanwhile is not re-sent (that would double an already long wait)."""
+        published = self.published.get(model)
+        if answer.status in (0, 200) or published is None or published > sent_at:
+            return
+        if self.unloading.get(model, -1.0) >= published:
+            return  # an unload of it began since its publication (before or during the rollout)
+        timed_out = TIMED_OUT.match(answer.message) if answer.status == 504 else None
+        if timed_out is not None:
+            index = int(timed_out.group(1))
+            if index < len(self.replicas) and self.alive_since[index] != faults_before[index]:
+                return
+        survivors = [
+            r.index
+            for r in self.replicas
+            if alive.get(r.index) == r.incarnation
+            and model in r.adapters
+            and self.alive_since[r.index] <= sent_at - I6_GRACE_S
+        ]
+        if survivors:
+            self.violation(
+                "I6",
+                f"rollout of {model} sent at {sent_at:.2f}s (published {published:.2f}s) answered "
+                f"{answer.status} while replicas {survivors} held it and stayed alive: "
+                f"{answer.message[:300]}",
+            )
 
     async def _watch(self) -> None:
         """I3, checked every half probe round."""

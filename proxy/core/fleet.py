@@ -12,9 +12,14 @@ Replica lifecycle::
        |                                      drain -> DRAINING (in-flight finish; no new work)
     (added)                                   remove -> REMOVED (slot kept: indexes are stable)
 
-Only READY replicas take new requests, and only for a model they have confirmed loaded. A replica
-that comes back (or is added) is reconciled to the desired state before it is READY again, so
-a replica that restarted empty never serves a request for an adapter it lost.
+A request for adapter X goes to a replica that has confirmed X (``Fleet.can_serve``): a READY
+one, or a RECONCILING one that answers its probes, holds X at the desired path and whose pause
+state is known and as desired. A replica still reloading other adapters after a restart thus
+serves what it already holds, while one that lost X (restarted empty) never gets a request for
+X: its observed adapter set no longer has it. A load answered 200 leaves X on every replica
+that applied it, so the rollouts that follow are served at once; a rollout for an adapter that
+is desired but held by no eligible replica yet waits (bounded) for one to get it
+(``Fleet.awaited``; the async edge waits, the core only says whether waiting can help).
 
 Desired state (``desired_adapters``, ``desired_paused``) is what TRL last asked for; a control
 call records it first and then applies it. Observed state is what the proxy believes each
@@ -82,6 +87,10 @@ class Replica:
     generation: int = 0
     # Why the last reconciliation left it short of the desired state (None when it is not).
     not_reconciled: str | None = None
+    # vLLM's prefix-cache counters (tokens queried, hit) at the last scrape, and the share hit
+    # between the last two scrapes (None: unknown, e.g. no traffic or counters reset).
+    cache_counters: tuple[float, float] | None = None
+    hit_rate: float | None = None
     # Merged-weight sync: its seat in the weight-transfer group and the weights it holds
     # (proxy/core/weights.py). Only READY replicas whose ``weights.ok`` take traffic.
     weights: ReplicaWeights = field(default_factory=ReplicaWeights)
@@ -204,13 +213,78 @@ class Fleet:
     def is_base_model(self, model: str) -> bool:
         return model == "" or self.base_model is None or model == self.base_model
 
+    def can_serve(self, replica: Replica, model: str) -> bool:
+        """May ``replica`` take a new request for ``model``?
+
+        READY: for the base model, or an adapter it has confirmed. RECONCILING (brought back to
+        the desired state after a restart, a lost adapter or an undrain): for an adapter it has
+        confirmed at the desired path (one held at another path is about to be replaced), only
+        while it answers its probes (no failure since its last observation) and its pause state
+        is known and what TRL asked for (unknown or different: a request could be held by a
+        pause nobody lifts, or run while TRL has the fleet paused). The base model waits for
+        READY: every replica has it, so the whole plan decides whether it is fit. PENDING,
+        EJECTED, DRAINING and REMOVED replicas take nothing new, and neither does one that does
+        not hold the fleet's merged weights (when a weight-transfer group exists)."""
+        status = replica.status
+        if replica.weights.stale is not None:
+            return False  # it does not hold the fleet's merged weights (proxy/core/weights.py)
+        if status is Status.READY:
+            return self.is_base_model(model) or model in replica.adapters
+        if status is not Status.RECONCILING or self.is_base_model(model):
+            return False
+        path = replica.adapters.get(model)
+        return (
+            path is not None
+            and path == self.desired_adapters.get(model)
+            and replica.failures == 0
+            and replica.paused is not None
+            and replica.paused == self.desired_paused
+        )
+
     def eligible(self, model: str) -> list[Replica]:
-        """READY replicas that have confirmed ``model`` (any READY one for the base model) and
-        hold the fleet's merged weights (always true when no weight-transfer group exists)."""
-        ready = [r for r in self.replicas if r.status is Status.READY and r.weights.stale is None]
-        if self.is_base_model(model):
-            return ready
-        return [r for r in ready if model in r.adapters]
+        """The replicas that may take a new request for ``model`` (:meth:`can_serve`)."""
+        return [r for r in self.replicas if self.can_serve(r, model)]
+
+    def serves_anything(self, replica: Replica) -> bool:
+        """It may take a new request for some model: READY, or RECONCILING and eligible for an
+        adapter it holds. Plain /health is 200 while one replica that answers does."""
+        if replica.status is Status.READY:
+            return replica.weights.stale is None
+        return any(self.can_serve(replica, name) for name in replica.adapters)
+
+    def in_desired_state(self, replica: Replica) -> bool:
+        """READY with nothing left to apply (what strict /health asks of every replica)."""
+        return replica.status is Status.READY and self.plan(replica).empty
+
+    def awaited(self, model: str) -> bool:
+        """No replica may serve ``model`` now, but one may soon: it is a desired adapter (its
+        load is under way or being reconciled) and some member is not removed or draining. A
+        rollout for it waits for the fleet to change rather than being refused at once."""
+        if self.is_base_model(model) or model not in self.desired_adapters:
+            return False
+        if any(self.can_serve(r, model) for r in self.replicas):
+            return False
+        return any(r.status not in (Status.REMOVED, Status.DRAINING) for r in self.replicas)
+
+    def waiting_for(self, replica: Replica) -> str | None:
+        """What keeps ``replica`` from READY and in the desired state, in words (None: nothing).
+        /health's body and ``python -m proxy status`` show it."""
+        status = replica.status
+        if status is Status.REMOVED:
+            return None
+        if status is Status.PENDING:
+            return "a first successful probe"
+        if status is Status.EJECTED:
+            return f"its probes to succeed again (last error: {replica.last_error or 'unknown'})"
+        if status is Status.DRAINING:
+            return "undrain or removal (draining: no new requests)"
+        plan = self.plan(replica)
+        if status is Status.READY and plan.empty:
+            return None
+        todo = plan.describe() if not plan.empty else "its reconciliation to finish"
+        if replica.not_reconciled:
+            return replica.not_reconciled
+        return todo
 
     def known_anywhere(self, model: str) -> bool:
         return any(model in r.adapters for r in self.replicas) or model in self.desired_adapters
@@ -274,6 +348,19 @@ class Fleet:
         if replica.status in (Status.PENDING, Status.EJECTED):
             replica.status = Status.RECONCILING
             replica.needs_reconcile = True
+
+    def record_cache(self, index: int, queries: float, hits: float) -> None:
+        """A scrape's cumulative prefix-cache counters: the recent hit rate is the share of
+        tokens hit since the previous scrape. Counters that went down (a restart) or a hit
+        count above the queries are no rate (unknown) until the next scrape."""
+        replica = self.replicas[index]
+        previous, replica.cache_counters = replica.cache_counters, (queries, hits)
+        replica.hit_rate = None
+        if previous is None:
+            return
+        asked, hit = queries - previous[0], hits - previous[1]
+        if asked > 0 and 0 <= hit <= asked:
+            replica.hit_rate = hit / asked
 
     def plan(self, replica: Replica) -> ReconcilePlan:
         load = {

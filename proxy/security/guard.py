@@ -118,6 +118,8 @@ def error_response_parts(err: ProxyError) -> tuple[int, list[tuple[bytes, bytes]
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if err.status_code == 401:
         headers.append((b"www-authenticate", b'Bearer realm="rollout-proxy"'))
+    if err.retry_after is not None:
+        headers.append((b"retry-after", str(err.retry_after).encode()))
     return err.status_code, headers, body
 
 

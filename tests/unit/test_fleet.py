@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from proxy.core.fleet import Fleet, Status, adapter_version, unaccounted_requests
 
 
@@ -155,3 +157,120 @@ def test_a_scraped_queue_adds_only_the_requests_this_proxy_did_not_send() -> Non
     assert unaccounted_requests(running=4.0, waiting=3.0, in_flight=2) == 5.0
     # Sent but not yet at the replica's scheduler: the proxy's count is the newer one.
     assert unaccounted_requests(running=0.0, waiting=0.0, in_flight=3) == 0.0
+
+
+# -- who may serve an adapter (publish means served) -------------------------------------------
+
+
+def reconciling_fleet() -> Fleet:
+    """Two replicas back from a restart: observed (adapters, pause state known), reconciling."""
+    fleet = Fleet(["http://r0", "http://r1"])
+    fleet.desired_adapters = {"trl-policy-v1": "/a/1", "trl-policy-v2": "/a/2"}
+    for r in fleet.replicas:
+        fleet.record_models(r.index, "base", 4096, {}, paused=False)
+    return fleet
+
+
+def _set(fleet: Fleet, index: int, **fields: object) -> None:
+    replica = fleet.replicas[index]
+    for name, value in fields.items():
+        setattr(replica, name, value)
+
+
+# (what is changed on replica 0 after it holds v2 at the desired path, expected can_serve v2)
+CAN_SERVE_V2 = [
+    ({}, True),  # reconciling, still reloading v1: serves v2, which it holds
+    ({"status": Status.READY}, True),
+    ({"adapters": {}}, False),  # never route X to a replica that lacks X
+    ({"adapters": {"trl-policy-v2": "/old/2"}}, False),  # held at another path: being replaced
+    ({"paused": None}, False),  # pause state unknown
+    ({"paused": True}, False),  # paused while TRL asked for resumed
+    ({"failures": 1}, False),  # a probe failed since its last observation
+    ({"status": Status.EJECTED}, False),
+    ({"status": Status.PENDING}, False),
+    ({"status": Status.DRAINING}, False),
+    ({"status": Status.REMOVED}, False),
+]
+
+
+@pytest.mark.parametrize(("change", "expected"), CAN_SERVE_V2)
+def test_can_serve_an_adapter(change: dict[str, object], expected: bool) -> None:
+    fleet = reconciling_fleet()
+    _set(fleet, 0, adapters={"trl-policy-v2": "/a/2"})
+    _set(fleet, 0, **change)
+    assert fleet.can_serve(fleet.replicas[0], "trl-policy-v2") is expected
+    assert ([r.index for r in fleet.eligible("trl-policy-v2")] == [0]) is expected
+
+
+def test_a_paused_fleet_serves_from_replicas_paused_as_desired() -> None:
+    """TRL's pause (mode=keep) holds requests at the replica: a reconciling replica paused as
+    desired takes them like a READY one; an unpaused one while TRL has paused does not."""
+    fleet = reconciling_fleet()
+    fleet.desired_paused = True
+    _set(fleet, 0, adapters={"trl-policy-v2": "/a/2"}, paused=True)
+    _set(fleet, 1, adapters={"trl-policy-v2": "/a/2"}, paused=False)
+    assert [r.index for r in fleet.eligible("trl-policy-v2")] == [0]
+
+
+def test_the_base_model_waits_for_ready() -> None:
+    fleet = reconciling_fleet()
+    assert fleet.eligible("base") == [] and not fleet.awaited("base")
+    fleet.mark_reconciled(1)
+    assert [r.index for r in fleet.eligible("base")] == [1]
+
+
+# (adapter, change to the fleet, awaited)
+AWAITED = [
+    ("trl-policy-v2", {}, True),  # desired, nobody holds it yet: a load is under way
+    ("trl-policy-v9", {}, False),  # nobody asked for it: 404 at once
+    ("base", {}, False),
+    ("trl-policy-v2", {"held": True}, False),  # someone may serve it now
+    ("trl-policy-v2", {"all": Status.EJECTED}, True),  # they may come back within the wait
+    ("trl-policy-v2", {"all": Status.DRAINING}, False),  # nobody will take new work
+    ("trl-policy-v2", {"all": Status.REMOVED}, False),
+]
+
+
+@pytest.mark.parametrize(("model", "change", "expected"), AWAITED)
+def test_awaited(model: str, change: dict[str, object], expected: bool) -> None:
+    fleet = reconciling_fleet()
+    if change.get("held"):
+        _set(fleet, 1, adapters={"trl-policy-v2": "/a/2"})
+    if "all" in change:
+        for r in fleet.replicas:
+            r.status = change["all"]  # type: ignore[assignment]
+    assert fleet.awaited(model) is expected
+
+
+def test_waiting_for_names_what_is_left() -> None:
+    fleet = reconciling_fleet()
+    _set(fleet, 0, adapters={"trl-policy-v2": "/a/2"})
+    assert fleet.waiting_for(fleet.replicas[0]) == "load trl-policy-v1"
+    fleet.replicas[0].not_reconciled = "still to do: load trl-policy-v1 (mount lag)"
+    assert fleet.waiting_for(fleet.replicas[0]) == "still to do: load trl-policy-v1 (mount lag)"
+    assert fleet.serves_anything(fleet.replicas[0]) and not fleet.serves_anything(fleet.replicas[1])
+    assert not fleet.in_desired_state(fleet.replicas[0])
+    ready = ready_fleet(1)
+    assert ready.waiting_for(ready.replicas[0]) == "resume (state unknown)"
+    ready.record_models(0, "base", 4096, {}, paused=False)
+    assert ready.waiting_for(ready.replicas[0]) is None
+    assert ready.in_desired_state(ready.replicas[0])
+    fleet.record_failure(1, "connection refused")
+    assert "connection refused" in (fleet.waiting_for(fleet.replicas[1]) or "")
+
+
+@pytest.mark.parametrize(
+    ("scrapes", "rate"),
+    [
+        ([(100.0, 40.0)], None),  # one scrape: no interval yet
+        ([(100.0, 40.0), (300.0, 190.0)], 0.75),
+        ([(100.0, 40.0), (100.0, 40.0)], None),  # no traffic in between
+        ([(300.0, 190.0), (50.0, 10.0)], None),  # counters reset (a restart)
+        ([(100.0, 40.0), (200.0, 400.0)], None),  # more hits than queries: nonsense
+    ],
+)
+def test_recent_hit_rate(scrapes: list[tuple[float, float]], rate: float | None) -> None:
+    fleet = ready_fleet(1)
+    for queries, hits in scrapes:
+        fleet.record_cache(0, queries, hits)
+    assert fleet.replicas[0].hit_rate == (pytest.approx(rate) if rate is not None else None)
