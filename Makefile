@@ -106,17 +106,6 @@ SEEDS ?= 100
 sim: setup
 	$(PY) -m sim $(if $(SEED),--seed $(SEED),--seeds $(SEEDS))
 
-# Opt-in, not part of setup: the routing core (proxy/core/*.py) compiled by mypyc, the .so files
-# beside the sources (git-ignored; they shadow the .py files until `make clean-core`). What it
-# buys is in bench/results/ (proxy-mypyc); scripts/compile_core.py says why it is not the
-# default.
-.PHONY: compile-core clean-core
-compile-core: setup
-	$(PY) scripts/compile_core.py
-
-clean-core: setup
-	$(PY) scripts/compile_core.py --clean
-
 # docs/configuration.md is generated from Settings; tests/unit/test_config_docs.py fails when the
 # committed file differs from what this writes.
 docs: setup

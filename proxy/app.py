@@ -145,7 +145,7 @@ def build_runtime(settings: Settings, transport: httpx.AsyncBaseTransport | None
             settings.vllm_hash_seed,
             use_native,
         ),
-        PrefixIndex(settings.index_capacity, settings.max_replicas, use_native),
+        PrefixIndex(settings.index_capacity, settings.max_replicas),
         _policy(settings),
         precise=kv_events.matcher if kv_events is not None else None,
     )
@@ -230,12 +230,14 @@ def configure_routing(rt: Runtime) -> None:
     if s.block_size and size and s.block_size != size:
         log.warning("PROXY_BLOCK_SIZE=%d but replicas use %d", s.block_size, size)
     if block_size != rt.router.block_size or (s.hash_mode == "exact" and not s.vllm_hash_algo):
-        rt.router.hasher = make_hasher(
-            s.hash_mode,
-            block_size,
-            s.vllm_hash_algo or algo or "sha256",
-            s.vllm_hash_seed,
-            rt.native,
+        rt.router.use_hasher(
+            make_hasher(
+                s.hash_mode,
+                block_size,
+                s.vllm_hash_algo or algo or "sha256",
+                s.vllm_hash_seed,
+                rt.native,
+            )
         )
     if rt.data.routing_error:
         log.error(rt.data.routing_error)

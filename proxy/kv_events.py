@@ -37,7 +37,6 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from proxy.core import native
 from proxy.core.fleet import Fleet, Status
 from proxy.core.hashing import BlockHasher, Namespace, VllmHasher
 from proxy.core.kv_view import (
@@ -404,9 +403,7 @@ class KvEvents:
             ends = endpoints_for(s, i, replica.url)
             if ends is None:
                 continue
-            # PROXY_NATIVE picks the views' per-key loops as it picks the index's (native.py).
-            loops_native = native.resolve(s.native)
-            view = self.views.setdefault(i, ReplicaView(s.kv_events_view_capacity, loops_native))
+            view = self.views.setdefault(i, ReplicaView(s.kv_events_view_capacity))
             sub = ReplicaSubscriber(
                 i,
                 ends,

@@ -234,13 +234,15 @@ class Settings(BaseSettings):
     )
     native: Literal["auto", "on", "off"] = Field(
         "auto",
-        description="The per-request work of a token-id completion (scan and pack the prompt "
-        "from the request bytes, chain its block hashes, the prefix index's record and "
-        "common-prefix walk, chain a finished completion) in the C extension "
-        "proxy.core._native, or in the pure-Python reference. auto: the extension when it is "
-        "built (pip install / make setup compile it when a C compiler is present); on: refuse "
-        "to start without it; off: the reference. Same routing either way; measured side by "
-        "side in bench/results/overhead.md (proxy vs proxy-python).",
+        description="The pure primitives of a token-id completion (scan and pack the prompt "
+        "from the request bytes; chain its block hashes, XXH3 or vLLM's exact digests, and "
+        "continue the chain through a finished completion) in the C extension "
+        "proxy.core._native, or in their pure-Python reference; every routing decision is "
+        "Python either way. auto: the extension when it is built (pip install / make setup "
+        "compile it when a C compiler is present); on: refuse to start without it; off: the "
+        "reference. Same keys and routing either way; auto is the default because the "
+        "extension costs less CPU per request (bench/results/overhead.md, proxy vs "
+        "proxy-python).",
     )
     shutdown_grace_s: float = Field(
         20,

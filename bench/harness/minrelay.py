@@ -97,7 +97,7 @@ class _Routed:
         self.split = native_module.split_prompt
         self.router = Router(
             make_hasher("fast", 16, "sha256", None, True),
-            PrefixIndex(defaults.index_capacity, defaults.max_replicas, True),
+            PrefixIndex(defaults.index_capacity, defaults.max_replicas),
             make_policy(defaults.policy, defaults.imbalance),
         )
         self.backends = list(backends)

@@ -97,9 +97,9 @@ def _runtime(native_mode: str) -> tuple[Runtime, DataPath]:
 
 def request_timings(timer: Callable[[str, Callable[[], object]], Any]) -> tuple[list[Any], str]:
     """``timer(name, fn)`` for the whole request and each stage; returns the timings and the
-    file the core was loaded from (the pure-Python modules or a mypyc build). The stages are
-    the pure-Python reference's (PROXY_NATIVE=off); with the C extension built, the whole
-    request is also timed through it, and its two calls alone."""
+    file the core was loaded from. The stages are the pure-Python reference's
+    (PROXY_NATIVE=off); with the C extension built, the whole request is also timed through it,
+    and its primitives alone."""
     rt, data_path = _runtime("off")
     native_rt = _runtime("on") if native.available() else None
     raws = [

@@ -3,7 +3,9 @@
 - ``proxy``: rollout-proxy with its default policy (``cost``; the process gets no
   ``PROXY_POLICY``, so the row follows whatever the default is).
 - ``proxy-prefix`` / ``proxy-rr`` / ``proxy-ll``: the same process with
-  ``PROXY_POLICY=prefix|round_robin|least_loaded`` (same HTTP path, so only the policy differs).
+  ``PROXY_POLICY=prefix|round_robin|least_loaded`` (same HTTP path, so only the policy differs);
+  the two baselines are the bench's own (bench/harness/baseline_policies.py), so those two run
+  the proxy through ``python -m bench.harness.proxy_with_baselines``.
 - ``proxy-events``: rollout-proxy, default policy, scoring replicas on their KV-cache events
   (``PROXY_KV_EVENTS``); the simulator then publishes them (vLLM's wire format,
   bench/harness/kv_events_publisher.py).
@@ -60,6 +62,8 @@ class RouterSpec:
     kv_events: bool = False
     # Another checkout whose proxy runs instead of this one's (``proxy@LABEL``).
     tree: Path | None = None
+    # The module run as our proxy: ``proxy``, or the launcher adding the bench's baselines.
+    module: str = "proxy"
 
     def unavailable(self) -> str | None:
         """Why this router cannot run here, or None."""
@@ -93,7 +97,7 @@ class RouterSpec:
                 # (editable) install
                 *(["-P"] if self.tree is not None else []),
                 "-m",
-                "proxy",
+                self.module,
                 "--replicas",
                 ",".join(replica_urls),
                 "--host",
@@ -125,8 +129,18 @@ ROUTERS: dict[str, RouterSpec] = {
             "rollout-proxy, default policy, exact vLLM hashes (index only)",
             env={"PROXY_HASH_MODE": "exact"},
         ),
-        RouterSpec("proxy-rr", "rollout-proxy, round_robin", env={"PROXY_POLICY": "round_robin"}),
-        RouterSpec("proxy-ll", "rollout-proxy, least_loaded", env={"PROXY_POLICY": "least_loaded"}),
+        RouterSpec(
+            "proxy-rr",
+            "rollout-proxy, round_robin",
+            env={"PROXY_POLICY": "round_robin"},
+            module="bench.harness.proxy_with_baselines",
+        ),
+        RouterSpec(
+            "proxy-ll",
+            "rollout-proxy, least_loaded",
+            env={"PROXY_POLICY": "least_loaded"},
+            module="bench.harness.proxy_with_baselines",
+        ),
         RouterSpec("vllm-router", "vllm-router --policy cache_aware", tool="vllm-router"),
         RouterSpec(
             "sglang-router",

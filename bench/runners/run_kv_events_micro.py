@@ -26,7 +26,7 @@ import msgpack
 
 from proxy.core.extract import RoutingKey
 from proxy.core.hashing import FastHasher, Namespace, VllmHasher
-from proxy.core.kv_view import REMOVED, STORED, BlockEvent, PreciseMatcher, ReplicaView
+from proxy.core.kv_view import BlockEvent, PreciseMatcher, ReplicaView
 from proxy.core.policy import PrefixAffinity
 from proxy.core.prefix_index import PrefixIndex
 from proxy.core.router import Router
@@ -278,17 +278,14 @@ def _exact_cases(
 
 
 def view_loop_costs(rng: random.Random, rounds: int = 3) -> list[tuple[str, float]]:
-    """The views' per-key loops in C (PROXY_NATIVE, proxy/core/_native.c's view_*) and in the
-    Python reference, on a tight-benchmark view (1,525 blocks cached, 8 requests in flight): a
-    routed 250-block prompt's pin + free (``hold`` + ``release``) and ``expect``, one evicting
-    batch (88 new blocks stored, 88 removed: a 1,400-token continuation's new blocks and its
-    600-token output) and the horizon's walk (``doomed`` + ``held_prefix``). Interleaved, C then
-    Python, ``rounds`` times; the best of each."""
+    """The views' per-key loops on a tight-benchmark view (1,525 blocks cached, 8 requests in
+    flight): a routed 250-block prompt's pin + free (``hold`` + ``release``) and ``expect``, one
+    evicting batch (88 new blocks stored, 88 removed: a 1,400-token continuation's new blocks
+    and its 600-token output) and the horizon's walk (``doomed`` + ``held_prefix``), ``rounds``
+    times; the best of each."""
     setups = {}
-    for native in ("C", "C, one call per event", "Python"):
-        view = ReplicaView(use_native=native != "Python")
-        if native != "C":
-            view._loops = view._loops._replace(apply=_per_event_apply(view._loops))
+    for native in ("Python",):
+        view = ReplicaView()
         cached = [rng.getrandbits(63) for _ in range(1525)]
         view.apply(0, [0.0, [{"type": "BlockStored", "block_hashes": cached}]])
         for t in range(8):
@@ -330,32 +327,9 @@ def view_loop_costs(rng: random.Random, rounds: int = 3) -> list[tuple[str, floa
             for name, fn, per in (("250-block prompt: expect + hold + release", pin_free, 1),
                                   ("evicting batch, 88 stored + 88 removed (per batch)", batch, 2),
                                   ("doomed + held_prefix, 250-block prompt", walk, 1)):  # fmt: skip
-                if native.startswith("C,") and fn is not batch:
-                    continue  # the same C loops as "C": only the batch differs
                 us = per_call_us(fn) / per
                 best[(name, native)] = min(best.get((name, native), us), us)
     return [(f"view loops, {native}: {name}", us) for (name, native), us in best.items()]
-
-
-def _per_event_apply(loops: Any) -> Callable[..., tuple[int, int]]:
-    """kv_view._apply's contract over ``loops``' one-event store / remove: one store / remove
-    call per event (with the C loops), the alternative to the batch call."""
-    store, remove = loops.store, loops.remove
-
-    def apply(blocks: Any, pending: Any, freed: Any, pins: Any, tick: Any,
-              events: Any, start: int) -> tuple[int, int]:  # fmt: skip
-        confirmed = 0
-        for i in range(start, len(events)):
-            event = events[i]
-            if event.kind == STORED:
-                confirmed += store(blocks, pending, freed, pins, tick, event.keys)
-            elif event.kind == REMOVED:
-                confirmed += remove(blocks, pending, freed, event.keys)
-            else:
-                return confirmed, i
-        return confirmed, max(start, len(events))
-
-    return apply
 
 
 def view_bytes_per_block(n: int = 200_000) -> float:

@@ -5,13 +5,6 @@ taken apart in process.
     python -m bench.runners.run_micro                  # -> bench/results/micro.md
     python -m bench.runners.run_micro --smoke --out /tmp/m
     python -m bench.runners.run_micro --request        # -> bench/results/micro_request.md
-    python -m bench.runners.run_micro --route          # printed: Router.route in C vs in Python
-
-``--route`` times the per-request routing work of bench.runners.run_overhead's ``distinct64``
-prompts (cost policy, two replicas with known KV capacities, the C hasher and index) through
-the one C call (``Router.route`` -> _native.c's ``route_tokens``) and through the Python route
-(``Router(..., use_native=False)``), interleaved round by round, with and without
-learning the completion (``record_completion``).
 
 ``--request`` builds the proxy's real runtime (settings, router, data plane, data path) with two
 replicas marked ready and an upstream that answers at once with bench.runners.run_overhead's fixed
@@ -143,65 +136,6 @@ def index_memory(blocks: int, replicas: int = 8) -> IndexMemory:
     return IndexMemory(len(index), after - before, index.evictions)
 
 
-def route_timings(rounds: int, inner: int) -> list[tuple[str, list[float]]]:
-    """Per variant, the median CPU us per call of each round (variants interleaved)."""
-    from bench.runners.run_overhead import DISTINCT_PROMPTS, _fixed_completion, completion_request
-    from proxy.core.native import MODULE
-    from proxy.core.policy import make_policy
-    from proxy.core.router import Router
-    from proxy.dataplane import completion_token_ids
-    from proxy.hotpath import packed_key
-    from proxy.settings import Settings
-
-    if MODULE is None:
-        raise SystemExit("--route needs the C extension (make setup)")
-    defaults = Settings(replicas=["http://127.0.0.1:1", "http://127.0.0.1:2"])
-    raws = [
-        json.dumps(completion_request(False, seed)).encode() for seed in range(DISTINCT_PROMPTS)
-    ]
-    keys = [packed_key(MODULE.split_prompt, raw) for raw in raws]
-    generated = completion_token_ids(_fixed_completion().encode()) or []
-    loads = [(0, 0.0), (1, 0.0)]
-
-    def router(use_native: bool) -> Router:
-        built = Router(
-            make_hasher("fast", BLOCK_SIZE, use_native=True),
-            PrefixIndex(defaults.index_capacity, defaults.max_replicas, True),
-            make_policy("cost", defaults.imbalance),
-            use_native=use_native,
-        )
-        # vLLM's KV cache on an H100 for the recipe's model, in tokens (~1.2M): known.
-        built.kv_capacity_tokens = {0: 1_200_000, 1: 1_200_000}
-        assert (built._route_tokens is not None) == use_native
-        return built
-
-    def variant(use_native: bool, learn: bool) -> Callable[[], object]:
-        routed = router(use_native)
-        turn = [0]
-
-        def once() -> None:
-            turn[0] = (turn[0] + 1) % len(keys)
-            key = keys[turn[0]]
-            assert key is not None
-            decision = routed.route(key, loads)
-            if learn:
-                routed.record_completion(key, decision, generated)
-
-        return once
-
-    variants = [
-        ("route: one C call", variant(True, False)),
-        ("route: Python (main)", variant(False, False)),
-        ("route + record_completion: one C call", variant(True, True)),
-        ("route + record_completion: Python (main)", variant(False, True)),
-    ]
-    per_round: dict[str, list[float]] = {name: [] for name, _ in variants}
-    for _ in range(rounds):
-        for name, fn in variants:
-            per_round[name].append(time_call(name, fn, 5, inner).median_us)
-    return list(per_round.items())
-
-
 def write_report(
     timings: Sequence[Timing], mems: Sequence[IndexMemory], out: Path, command: str
 ) -> Path:
@@ -287,15 +221,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.runners.run_micro", description=__doc__)
     p.add_argument("--smoke", action="store_true", help="fewer repetitions, 20k blocks")
     p.add_argument("--request", action="store_true", help="time one routed completion's stages")
-    p.add_argument("--route", action="store_true", help="Router.route: one C call vs Python")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
-    if args.route:
-        rounds, inner = (2, 100) if args.smoke else (7, 2000)
-        for name, figures in route_timings(rounds, inner):
-            rounds_text = " ".join(f"{f:.1f}" for f in figures)
-            print(f"{name:>42}: median {statistics.median(figures):6.1f} us  [{rounds_text}]")
-        return 0
     command = "python -m bench.runners.run_micro " + " ".join(
         sys.argv[1:] if argv is None else argv
     )

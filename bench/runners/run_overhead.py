@@ -9,9 +9,9 @@ Backends: one nginx serving two fake vLLM replicas (fixed /v1/completions answer
 bodies with 512-token token-id prompts, two workloads: ``repeated`` (one body, every request the
 same prompt) and ``distinct64`` (64 distinct prompts cycled: every request hashes a prompt the
 router has seen 1/64 as often, closer to a run's rollouts). For each target and workload:
-requests/s at 64 connections, p50/p99 latency at 1 connection (added = minus the direct figure),
-and the target's CPU time per request (utime+stime of its process tree from /proc, over the
-64-connection run, divided by requests).
+requests/s at 64 connections (``--connections 64,8``: at each count), p50/p99 latency at 1
+connection (added = minus the direct figure), and the target's CPU time per request
+(utime+stime of its process tree from /proc, over each loaded run, divided by requests).
 
 The machine is shared: every target is started first, then the runs are interleaved (round r
 runs every target once, in turn), and each figure is the median over the rounds.
@@ -68,9 +68,13 @@ COMPLETION_TOKENS = 16
 # Workloads: one body repeated, or this many distinct prompts cycled.
 DISTINCT_PROMPTS = 64
 BODIES = ("repeated", "distinct64")
-# Targets from issue 12, as ratios to vllm-router's figures in the same run.
-TARGET_CPU_RATIO = 0.6
-AIM_CPU_RATIO = 0.5
+# The bar, as ratios to vllm-router's figures in the same run at the first connection count:
+# CPU per request at most half of its, requests/s at least 1.5x.
+TARGET_CPU_RATIO = 0.5
+TARGET_RPS_RATIO = 1.5
+# Loaded runs (rps, CPU per request) at these connection counts by default; --connections sets
+# others (the first is the one the bar is checked at).
+DEFAULT_CONNECTIONS = (64,)
 
 
 @dataclass(frozen=True)
@@ -81,9 +85,9 @@ class Target:
     env: dict[str, str] = field(default_factory=dict)
     text_prompt: bool = False
     args: tuple[str, ...] = ()
-    # A copy of the package whose core is compiled (scripts/compile_core.py --out DIR), run
-    # instead of the checkout's: ``python -P -m proxy`` with PYTHONPATH=DIR.
-    package_root: Path | None = None
+    # The module run as the proxy: ``proxy``, or the bench's launcher that adds the baseline
+    # policies (bench/harness/proxy_with_baselines.py).
+    module: str = "proxy"
     # Another checkout whose proxy runs instead of this one's (``proxy@LABEL``): its own .venv,
     # ``python -P -m proxy`` so that this checkout's proxy/ cannot shadow it.
     tree: Path | None = None
@@ -95,17 +99,7 @@ class Target:
         needed = tool.get(self.kind)
         if needed and find_tool(needed) is None:
             return f"`{needed}` not found"
-        if self.package_root is not None and not list(self.package_root.glob(COMPILED_CORE)):
-            return (
-                f"compiled core not found under {self.package_root}: run "
-                f"`python scripts/compile_core.py --out {self.package_root}` first"
-            )
         return None
-
-
-# Where run_overhead's proxy-mypyc target finds its compiled copy of the package (git-ignored).
-MYPYC_ROOT = REPO / "build" / "mypyc-bench"
-COMPILED_CORE = "proxy/core/router.*.so"
 
 
 TARGETS: dict[str, Target] = {
@@ -121,8 +115,8 @@ TARGETS: dict[str, Target] = {
         Target(
             "proxy-python",
             "rollout-proxy, defaults but PROXY_NATIVE=off: the pure-Python reference of the "
-            "per-request parse, hashing, index writes, common-prefix walk and learning; proxy "
-            "minus proxy-python is the C extension's gain",
+            "primitives (prompt scan, block-chain hashing); proxy minus proxy-python is the C "
+            "extension's gain",
             "proxy",
             {"PROXY_NATIVE": "off"},
         ),
@@ -133,14 +127,7 @@ TARGETS: dict[str, Target] = {
             "recording completions; proxy minus proxy-rr is what routing costs",
             "proxy",
             {"PROXY_POLICY": "round_robin"},
-        ),
-        Target(
-            "proxy-mypyc",
-            "rollout-proxy, defaults, with proxy/core compiled by mypyc "
-            "(scripts/compile_core.py --out build/mypyc-bench)",
-            "proxy",
-            {"PYTHONPATH": str(MYPYC_ROOT)},
-            package_root=MYPYC_ROOT,
+            module="bench.harness.proxy_with_baselines",
         ),
         Target("vllm-router", "vllm-router --policy cache_aware", "vllm-router"),
         Target(
@@ -186,11 +173,7 @@ TARGETS: dict[str, Target] = {
         ),
     )
 }
-# On request only: proxy-mypyc measured 7-9% worse than the interpreted proxy under load
-# (overhead_profile.md):
-# it added a target's worth of noise and lock time to every run (it is skipped, saying how to
-# build it, when asked for without a build).
-DEFAULT_TARGETS = [n for n in TARGETS if n != "proxy-mypyc"]
+DEFAULT_TARGETS = list(TARGETS)
 
 
 def target(name: str) -> Target:
@@ -239,6 +222,8 @@ class Measurement:
     errors: int = 0
     requests: int = 0
     samples: dict[str, list[float]] = field(default_factory=dict)
+    # Per connection count of the loaded runs: {"rps": ..., "cpu_us_per_req": ...} (medians).
+    loaded: dict[int, dict[str, float]] = field(default_factory=dict)
 
     def add(self, name: str, value: float) -> None:
         self.samples.setdefault(name, []).append(value)
@@ -246,8 +231,18 @@ class Measurement:
     def settle(self) -> None:
         """Each figure: the median of its rounds."""
         for name in ("rps_64", "p50_1_us", "p99_1_us", "cpu_us_per_req", "cpu_1_us_per_req"):
-            values = [v for v in self.samples.get(name, []) if math.isfinite(v)]
-            setattr(self, name, statistics.median(values) if values else math.nan)
+            setattr(self, name, self._median(name))
+        for name in self.samples:
+            figure, at, connections = name.partition("@")
+            if at and figure in ("rps", "cpu_us_per_req"):
+                self.loaded.setdefault(int(connections), {})[figure] = self._median(name)
+
+    def _median(self, name: str) -> float:
+        values = [v for v in self.samples.get(name, []) if math.isfinite(v)]
+        return statistics.median(values) if values else math.nan
+
+    def at(self, connections: int, figure: str) -> float:
+        return self.loaded.get(connections, {}).get(figure, math.nan)
 
 
 # --------------------------------------------------------------------------------------------
@@ -494,12 +489,11 @@ def _launch(
     url = f"http://127.0.0.1:{port}"
     log = log_dir / f"overhead-{target.name}.log"
     if target.kind == "proxy":
-        # -P: the working directory (the checkout) does not go first on sys.path, so a
-        # package_root on PYTHONPATH is what ``import proxy`` finds.
-        python = [sys.executable, "-P"] if target.package_root is not None else [sys.executable]
+        python = [sys.executable]
         if target.tree is not None:
+            # -P: the other checkout's proxy, not this working directory's proxy/
             python = [str(target.tree / ".venv" / "bin" / "python"), "-P"]
-        argv = [*python, "-m", "proxy", "--replicas", ",".join(urls), "--port", str(port)]
+        argv = [*python, "-m", target.module, "--replicas", ",".join(urls), "--port", str(port)]
         proc = stack.enter_context(managed(target.name, argv, log, target.env))
     elif target.kind in ("vllm-router", "sglang-router"):
         exe = find_tool(target.kind)
@@ -531,17 +525,7 @@ def _launch(
         raise ValueError(f"unknown target kind {target.kind!r}")
     body = json.dumps(completion_request(target.text_prompt)).encode()
     wait_http(url + "/v1/completions", 60, proc=proc, method="POST", body=body)
-    if target.package_root is not None and proc is not None:
-        _check_compiled_core(proc.pid, target.package_root)
     return url, proc
-
-
-def _check_compiled_core(pid: int, root: Path) -> None:
-    """Fail the target unless its process really mapped the compiled router (a checkout's
-    sources earlier on sys.path would silently measure the pure-Python core instead)."""
-    maps = Path(f"/proc/{pid}/maps").read_text()
-    if not any(str(p) in maps for p in root.glob(COMPILED_CORE)):
-        raise RuntimeError(f"the proxy did not load the compiled core from {root}")
 
 
 @dataclass
@@ -599,18 +583,24 @@ def run_round(
     wrk: str,
     duration_s: float,
     latency_s: float,
+    connections: Sequence[int] = DEFAULT_CONNECTIONS,
 ) -> None:
-    """One round for one target and workload: 64 connections (rps, CPU), then 1 (latency)."""
+    """One round for one target and workload: each loaded run (rps, CPU per request; 64
+    connections by default), then 1 connection (latency)."""
     watched = run.proc if run.proc is not None else backend_proc
     script = run.scripts[kind]
-    cpu0 = watched.cpu_seconds()
-    r64 = run_wrk(wrk, run.url, script, 64, duration_s)
-    cpu1 = watched.cpu_seconds()
-    m.errors += r64.errors
-    m.requests += r64.requests
-    m.add("rps_64", r64.rps)
-    if r64.requests:
-        m.add("cpu_us_per_req", (cpu1 - cpu0) / r64.requests * 1e6)
+    for c in connections:
+        cpu0 = watched.cpu_seconds()
+        loaded = run_wrk(wrk, run.url, script, c, duration_s)
+        cpu1 = watched.cpu_seconds()
+        m.errors += loaded.errors
+        m.requests += loaded.requests
+        m.add(f"rps@{c}", loaded.rps)
+        cpu = (cpu1 - cpu0) / loaded.requests * 1e6 if loaded.requests else math.nan
+        m.add(f"cpu_us_per_req@{c}", cpu)
+        if c == 64:
+            m.add("rps_64", loaded.rps)
+            m.add("cpu_us_per_req", cpu)
     cpu1 = watched.cpu_seconds()
     r1 = run_wrk(wrk, run.url, script, 1, latency_s)
     cpu2 = watched.cpu_seconds()
@@ -630,31 +620,37 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b and math.isfinite(a) and math.isfinite(b) else math.nan
 
 
-def against_targets(rows: Sequence[Measurement], kind: str) -> list[str]:
-    """The issue's three targets for one workload, as report lines."""
+def against_targets(
+    rows: Sequence[Measurement], kind: str, connections: Sequence[int] = DEFAULT_CONNECTIONS
+) -> list[str]:
+    """The bar for one workload (at the first connection count; the others reported beside
+    it), as report lines."""
     by = {r.target: r for r in rows if r.body == kind and r.status == "ok"}
     ours, vr, direct = by.get("proxy"), by.get("vllm-router"), by.get("direct")
     lines: list[str] = []
     if ours is None or vr is None:
         return ["- needs both `proxy` and `vllm-router` rows\n"]
-    cpu_ratio = _ratio(ours.cpu_us_per_req, vr.cpu_us_per_req)
-    lines.append(
-        f"- CPU per routed request: proxy {fmt(ours.cpu_us_per_req, 0)} us vs vllm-router "
-        f"{fmt(vr.cpu_us_per_req, 0)} us = {fmt(cpu_ratio, 2)}x (target <= "
-        f"{TARGET_CPU_RATIO}x: {_verdict(cpu_ratio <= TARGET_CPU_RATIO)}; aim {AIM_CPU_RATIO}x: "
-        f"{_verdict(cpu_ratio <= AIM_CPU_RATIO)})\n"
-    )
-    lines.append(
-        f"- requests/s at 64 connections: proxy {fmt(ours.rps_64, 0)} vs vllm-router "
-        f"{fmt(vr.rps_64, 0)} = {fmt(_ratio(ours.rps_64, vr.rps_64), 2)}x (target >= 1: "
-        f"{_verdict(ours.rps_64 >= vr.rps_64)})\n"
-    )
+    for i, c in enumerate(connections):
+        cpu, vr_cpu = ours.at(c, "cpu_us_per_req"), vr.at(c, "cpu_us_per_req")
+        rps, vr_rps = ours.at(c, "rps"), vr.at(c, "rps")
+        cpu_ratio, rps_ratio = _ratio(cpu, vr_cpu), _ratio(rps, vr_rps)
+        line = (
+            f"- {c} connections: CPU per request proxy {fmt(cpu, 0)} us vs vllm-router "
+            f"{fmt(vr_cpu, 0)} us = {fmt(cpu_ratio, 2)}x; requests/s {fmt(rps, 0)} vs "
+            f"{fmt(vr_rps, 0)} = {fmt(rps_ratio, 2)}x"
+        )
+        if i == 0:
+            line += (
+                f" (the bar: CPU <= {TARGET_CPU_RATIO}x {_verdict(cpu_ratio <= TARGET_CPU_RATIO)}"
+                f", requests/s >= {TARGET_RPS_RATIO}x {_verdict(rps_ratio >= TARGET_RPS_RATIO)})"
+            )
+        lines.append(line + "\n")
     if direct is not None:
         ours_add = ours.p50_1_us - direct.p50_1_us
         vr_add = vr.p50_1_us - direct.p50_1_us
         lines.append(
             f"- added p50 at 1 connection: proxy {fmt(ours_add, 0)} us vs vllm-router "
-            f"{fmt(vr_add, 0)} us (target <= vllm-router's: {_verdict(ours_add <= vr_add)})\n"
+            f"{fmt(vr_add, 0)} us\n"
         )
     floor = by.get("floor")
     if floor is not None:
@@ -667,6 +663,25 @@ def against_targets(rows: Sequence[Measurement], kind: str) -> list[str]:
     return lines
 
 
+def loaded_table(
+    rows: Sequence[Measurement], vr: Measurement | None, connections: Sequence[int]
+) -> str:
+    """Each target's loaded runs, one row per connection count, with ratios to vllm-router."""
+    headers = ["target", "connections", "rps", "rps / vllm-router", "CPU / request (us)"]
+    headers.append("CPU / vllm-router")
+    out = []
+    for r in rows:
+        for c in connections:
+            rps, cpu = r.at(c, "rps"), r.at(c, "cpu_us_per_req")
+            vr_rps = vr.at(c, "rps") if vr else math.nan
+            vr_cpu = vr.at(c, "cpu_us_per_req") if vr else math.nan
+            out.append(
+                [r.target, str(c), fmt(rps, 0), fmt(_ratio(rps, vr_rps), 2), fmt(cpu, 0)]
+                + [fmt(_ratio(cpu, vr_cpu), 2)]
+            )
+    return table(headers, out)
+
+
 def write_report(
     rows: Sequence[Measurement],
     out: Path,
@@ -674,6 +689,7 @@ def write_report(
     duration_s: float,
     latency_s: float,
     repeats: int,
+    connections: Sequence[int] = DEFAULT_CONNECTIONS,
 ) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     machine = machine_description()
@@ -695,7 +711,8 @@ def write_report(
         f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} with `{command}`. "
         f"Machine: {machine['nproc']} cores ({machine['cpu']}), {machine['memory']}, shared with "
         f"other jobs. Every target ran in each of {repeats} interleaved rounds ({duration_s:.0f} s "
-        f"at 64 connections, {latency_s:.0f} s at 1); each figure is the median of its rounds. "
+        f"at {' and '.join(map(str, connections))} connections, {latency_s:.0f} s at 1); each "
+        "figure is the median of its rounds. "
         "wrk (1 thread), the backend nginx (1 worker) and the target share the cores, so "
         "absolute figures are this machine's; compare ratios.\n"
     )
@@ -732,8 +749,10 @@ def write_report(
         )
         md.append(f"\n## Workload `{kind}`: {title}\n\n")
         md.append(table(headers, table_rows))
-        md.append("\nAgainst issue 12's targets:\n\n")
-        md.extend(against_targets(rows, kind))
+        md.append("\nLoaded runs at each connection count:\n\n")
+        md.append(loaded_table([r for r in these if r.status == "ok"], vr, connections))
+        md.append("\nAgainst the bar:\n\n")
+        md.extend(against_targets(rows, kind, connections))
     md.append("\n## Method\n\n")
     md.append(
         f"- Bodies: TRL's rollout request with a {PROMPT_TOKENS}-token token-id prompt; "
@@ -741,10 +760,11 @@ def write_report(
         "(sglang-router gets the same ids as one string: it answers 422 to token-id prompts). "
         f"Answer: a fixed {COMPLETION_TOKENS}-token completion with logprobs from nginx "
         "`return 200`.\n"
-        "- requests/s: wrk -t1 -c64; latency: wrk -t1 -c1 (wrk's own percentiles). Added latency "
+        f"- requests/s: wrk -t1 -c{'/'.join(map(str, connections))}; latency: wrk -t1 -c1 (wrk's "
+        "own percentiles). Added latency "
         "= target minus direct at the same percentile.\n"
         "- CPU / request: utime+stime of the target's whole process tree (/proc/<pid>/stat, all "
-        "threads and children) across the 64-connection run, divided by the requests wrk "
+        "threads and children) across each loaded run, divided by the requests wrk "
         "completed. For direct it is the backend nginx's. CPU / request @1: the same across "
         "the 1-connection run, where each request waits for all of it.\n"
         "- Every figure comes from this one run; failures (non-2xx) are counted in errors.\n"
@@ -768,6 +788,7 @@ def measure_all(
     duration_s: float,
     latency_s: float,
     repeats: int,
+    connections: Sequence[int] = DEFAULT_CONNECTIONS,
 ) -> list[Measurement]:
     with tempfile.TemporaryDirectory(prefix="rollout-bench-") as tmp_name:
         tmp = Path(tmp_name)
@@ -795,15 +816,21 @@ def measure_all(
                         if m.status != "ok":
                             continue
                         try:
-                            run_round(run, kind, m, backend, wrk, duration_s, latency_s)
+                            run_round(
+                                run, kind, m, backend, wrk, duration_s, latency_s, connections
+                            )
                         except Exception as exc:
                             m.status, m.reason = "failed", str(exc)
                         last = {k: v[-1] for k, v in m.samples.items() if v}
                         print(
                             f"{kind:>10} round {round_no} {name:>14}: "
-                            f"rps@64 {fmt(last.get('rps_64', math.nan), 0):>7} "
-                            f"p50@1 {fmt(last.get('p50_1_us', math.nan), 0):>6} us "
-                            f"cpu/req {fmt(last.get('cpu_us_per_req', math.nan), 0):>5} us "
+                            + "".join(
+                                f"rps@{c} {fmt(last.get(f'rps@{c}', math.nan), 0):>7} "
+                                f"cpu/req@{c} "
+                                f"{fmt(last.get(f'cpu_us_per_req@{c}', math.nan), 0):>5} us "
+                                for c in connections
+                            )
+                            + f"p50@1 {fmt(last.get('p50_1_us', math.nan), 0):>6} us "
                             f"@1 {fmt(last.get('cpu_1_us_per_req', math.nan), 0):>5} us"
                             + (f" [{m.reason[:200]}]" if m.reason else ""),
                             flush=True,
@@ -825,7 +852,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="1-second runs, seconds in all")
     p.add_argument("--targets", default=",".join(DEFAULT_TARGETS), help=f"from {list(TARGETS)}")
     p.add_argument("--bodies", default=",".join(BODIES), help=f"from {list(BODIES)}")
-    p.add_argument("--duration", type=float, default=None, help="seconds per 64-conn run (5)")
+    p.add_argument("--duration", type=float, default=None, help="seconds per loaded run (5)")
+    p.add_argument(
+        "--connections",
+        default=",".join(map(str, DEFAULT_CONNECTIONS)),
+        help="connection counts of the loaded runs, the bar checked at the first (64)",
+    )
     p.add_argument("--latency", type=float, default=None, help="seconds per 1-conn run (3)")
     p.add_argument("--repeats", type=int, default=None, help="interleaved rounds, median (3)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -845,6 +877,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     kinds = [x for x in args.bodies.split(",") if x]
     if not kinds or any(k not in BODIES for k in kinds):
         p.error(f"--bodies: one or more of {list(BODIES)}")
+    try:
+        connections = [int(x) for x in args.connections.split(",") if x]
+    except ValueError:
+        connections = []
+    if not connections or any(c < 1 for c in connections):
+        p.error("--connections: one or more positive integers, comma-separated")
     duration = args.duration or (1.0 if args.smoke else 5.0)
     latency = args.latency or (1.0 if args.smoke else 3.0)
     repeats = args.repeats or (1 if args.smoke else 3)
@@ -853,11 +891,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("run_overhead needs wrk and nginx (apt-get install -y nginx wrk)", file=sys.stderr)
         return 2
     log_dir = args.out / "tmp" / "logs"  # bench/results/tmp/ is git-ignored
-    rows = measure_all(names, kinds, wrk, nginx, log_dir, duration, latency, repeats)
+    rows = measure_all(names, kinds, wrk, nginx, log_dir, duration, latency, repeats, connections)
     command = "python -m bench.runners.run_overhead " + " ".join(
         sys.argv[1:] if argv is None else argv
     )
-    path = write_report(rows, args.out, command.strip(), duration, latency, repeats)
+    path = write_report(rows, args.out, command.strip(), duration, latency, repeats, connections)
     print(f"wrote {path}")
     return 0 if any(r.status == "ok" for r in rows) else 1
 

@@ -133,8 +133,8 @@ def pack_tokens(value: Any) -> array[int] | None:
     """Token ids validated and packed as uint32 in one C pass, or None when ``value`` is not a
     list of ids in [0, MAX_TOKEN_ID] (a float, string, negative or too-large id, or a JSON
     boolean, which is a client bug rather than token 1/0). The array is what the router hashes,
-    so the ids are packed once per request. Measured on a 512-token prompt: ~3.5x cheaper than
-    the type-set plus min/max checks it replaces (which cost 5.6% of the proxy's CPU)."""
+    so the ids are packed once per request: one C pass is cheaper than Python-level type and
+    range checks over every id."""
     if not isinstance(value, list):
         return None
     try:

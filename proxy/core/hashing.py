@@ -25,8 +25,7 @@ import pickle
 from array import array
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol, TypeAlias
+from typing import Any, NamedTuple, Protocol, TypeAlias
 
 import cbor2
 import xxhash
@@ -44,10 +43,10 @@ VLLM_DEFAULT_SEED = "vllm-none-hash"
 _MASK64 = (1 << 64) - 1
 
 
-@dataclass(frozen=True, slots=True)
-class Namespace:
+class Namespace(NamedTuple):
     """What separates caches: the model or adapter, the adapter's path (vLLM keys LoRA blocks by
-    name *and* path), the request's cache salt, and the proxy's purge epoch for this name."""
+    name *and* path), the request's cache salt, and the proxy's purge epoch for this name. A
+    named tuple: hashed in C, it is the key of the hashers' per-request seed lookup."""
 
     model: str
     lora_path: str | None = None
@@ -124,20 +123,12 @@ class FastHasher:
         self.block_size = block_size
         self._seeds: dict[Namespace, int] = {}
         module = module_for(use_native)
-        # The extension this hasher chains with (None: the reference): Router routes a token-id
-        # prompt in one C call only when the hasher's chain is the extension's.
-        self.native = module
         self.chain: Callable[[Packed, int, int], list[int]] = (
             module.chain if module is not None else _chain
         )
         self._extend_chain: Callable[..., list[int] | None] | None = (
             module.extend_chain if module is not None else None
         )
-
-    def seed(self, namespace: Namespace) -> int:
-        """The chain's first seed for ``namespace`` (what Router.route passes to the extension's
-        ``route_tokens``)."""
-        return self._seed(namespace)
 
     def _seed(self, namespace: Namespace) -> int:
         seed = self._seeds.get(namespace)

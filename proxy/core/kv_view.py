@@ -30,7 +30,6 @@ from collections.abc import Callable, Iterator, Sequence
 from itertools import count, islice, takewhile
 from typing import Any, NamedTuple, Protocol
 
-from proxy.core.native import module_for
 from proxy.core.policy import CostModel
 from proxy.core.prefix_index import PrefixIndex
 from proxy.core.reach import mask_of, prefix_reach, specific
@@ -67,8 +66,8 @@ EXPECTED_OUTPUT_TOKENS = int(CostModel().expected_output_tokens)
 # request really reserves is its own output (the simulator allocates exactly that at admission;
 # vLLM allocates it step by step, so the pool a queue finds holds the running requests' outputs
 # so far), never the cost model's 600 when the run's requests generate far less (the tight
-# benchmark's answers: mean 266 tokens, median 253, max 500 on seed 0; bench/results/kv_events.md,
-# round 8). 256 answers: a GRPO step's worth of rollouts (TRL's batch x group), so the mean
+# benchmark's answers: mean 266 tokens, median 253, max 500 on seed 0; bench/results/
+# kv_events.md). 256 answers: a GRPO step's worth of rollouts (TRL's batch x group), so the mean
 # follows the policy's answer length from one step to the next.
 OUTPUT_WINDOW = 256
 # The longest answer counted: 131,072 tokens, the longest context of the models served today
@@ -95,8 +94,8 @@ class MalformedBatch(ValueError):
 
 class KvEvent(NamedTuple):
     """One parsed event. A named tuple built by ``tuple.__new__``, not a frozen dataclass: ~130
-    are built per routed request on the tight benchmark, and the dataclass's __init__ cost
-    0.9 us of the 1.2 us parse per event, ``tuple.__new__`` ~0.25 (measured on this machine)."""
+    are built per routed request on the tight benchmark, and a dataclass's __init__ would be
+    most of the parse per event; ``tuple.__new__`` is a fraction of it."""
 
     kind: str  # STORED, REMOVED or CLEARED
     keys: tuple[int, ...] = ()
@@ -225,11 +224,10 @@ def parse_batch(payload: Any) -> list[KvEvent]:
     return [e for e in parsed if e is not None]
 
 
-# -- the per-key loops (reference; proxy/core/_native.c's view_* run the same in C) -------------
+# -- the per-key loops --------------------------------------------------------------------------
 # Each routed request on the memory-tight benchmark pins and frees ~250 prompt keys on its
-# replica's view and causes ~280 stored / removed keys there: these loops were ~0.5 ms of the
-# events path's ~0.6 ms per request in Python (bench/results/kv_events.md, round 8). The C twins
-# are compared with these on random operation sequences (tests/unit/test_kv_view_native.py).
+# replica's view and causes ~280 stored / removed keys there: these loops are most of the events
+# path's cost per request.
 
 
 def _store(
@@ -365,29 +363,6 @@ def _prefix(
     return n
 
 
-class _Loops(NamedTuple):
-    store: Callable[..., int]
-    remove: Callable[..., int]
-    apply: Callable[..., tuple[int, int]]
-    hold: Callable[..., int]
-    release: Callable[..., None]
-    expect: Callable[..., None]
-    prefix: Callable[..., int]
-
-
-PYTHON_LOOPS = _Loops(_store, _remove, _apply, _hold, _release, _expect, _prefix)
-
-
-def loops_for(use_native: bool | None) -> _Loops:
-    """The C loops when ``use_native`` asks for them (None: whenever the extension is built),
-    else the Python reference (proxy/core/native.py decides, as for the index)."""
-    module = module_for(use_native)
-    if module is None:
-        return PYTHON_LOOPS
-    return _Loops(module.view_store, module.view_remove, module.view_apply, module.view_hold,
-                  module.view_release, module.view_expect, module.view_prefix)  # fmt: skip
-
-
 class ReplicaView:
     """One replica's cached block keys, and whether they are the whole truth.
 
@@ -397,13 +372,10 @@ class ReplicaView:
     higher -- so the bound costs accuracy, never correctness of the set it does report.
     """
 
-    def __init__(
-        self, capacity: int = DEFAULT_VIEW_CAPACITY, use_native: bool | None = None
-    ) -> None:
+    def __init__(self, capacity: int = DEFAULT_VIEW_CAPACITY) -> None:
         if capacity < 1:
             raise ValueError("view capacity must be >= 1 block")
         self.capacity = capacity
-        self._loops = loops_for(use_native)
         self.blocks: dict[int, None] = {}
         # Sent here, not yet reported stored: key -> deadline (see PENDING_TTL_S).
         self.pending: OrderedDict[int, float] = OrderedDict()
@@ -523,13 +495,12 @@ class ReplicaView:
         blocks, pending, freed, pins, tick = (
             self.blocks, self.pending, self.freed, self.pins, self._tick
         )  # fmt: skip
-        apply = self._loops.apply
         confirmed = 0
         self.events += len(events)
         total = len(events)
         start = 0
         while True:
-            got, stop = apply(blocks, pending, freed, pins, tick, events, start)
+            got, stop = _apply(blocks, pending, freed, pins, tick, events, start)
             confirmed += got
             if stop >= total:
                 break
@@ -578,14 +549,14 @@ class ReplicaView:
     def expect(self, keys: Sequence[int], now: float) -> None:
         """``keys`` were just sent here: count them as held until reported (PENDING_TTL_S)."""
         pending = self.pending
-        self._loops.expect(self.blocks, pending, keys, now + PENDING_TTL_S)
+        _expect(self.blocks, pending, keys, now + PENDING_TTL_S)
         while len(pending) > MAX_PENDING_BLOCKS:
             pending.popitem(last=False)
 
     def hold(self, token: int, keys: Sequence[int], now: float = 0.0) -> None:
         """A request with prompt blocks ``keys`` was just routed here: they are pinned (not
         evictable) until ``release(token)``; the ones not cached must be allocated."""
-        new = self._loops.hold(self.pins, self.freed, self.blocks, keys)
+        new = _hold(self.pins, self.freed, self.blocks, keys)
         held = self.held
         held[token] = (keys, new, now + PENDING_TTL_S)
         while len(held) > MAX_HELD_REQUESTS:
@@ -597,7 +568,7 @@ class ReplicaView:
         entry = self.held.pop(token, None)
         if entry is None:
             return
-        self._loops.release(self.pins, self.freed, self.blocks, self._tick, entry[0])
+        _release(self.pins, self.freed, self.blocks, self._tick, entry[0])
 
     def doomed(self, capacity_blocks: int, output_blocks: int, now: float = 0.0) -> int:
         """The cached blocks the replica will have evicted before a request routed here now is
@@ -654,7 +625,7 @@ class ReplicaView:
                 and self.predictions_expired >= HASH_REFUTE_AFTER_BLOCKS
             ):
                 self.hashes_match = False
-        return self._loops.prefix(blocks, pending, self.freed, keys, doomed)
+        return _prefix(blocks, pending, self.freed, keys, doomed)
 
 
 def _first(blocks: dict[int, None], n: int) -> list[int]:
@@ -811,8 +782,8 @@ class PreciseMatcher:
         replica this rollout (or its group) last ran on: sending it back keeps each replica's
         cache working on its own rollouts, where placing it by load moves it, and a moved
         rollout's next turns and its group's remaining rollouts rebuild their history in a
-        second cache while the first still holds what survived of it. Measured on the tight
-        workload (bench/results/kv_events.md): "unmatched" decisions fell from 11-15% to 2-5%
+        second cache while the first still holds what survived of it. On the tight workload
+        (bench/results/kv_events.md) "unmatched" decisions fell from 11-15% to 2-5%
         (the index's own share) and events stopped losing hits at 4 and 16 replicas. The
         prediction recorded for the replica's answer stays the views' own.
 
@@ -820,9 +791,9 @@ class PreciseMatcher:
         (or about to be, ``ReplicaView.doomed``) but no other replica holding more: the request
         prefills no less elsewhere, so moving it by load only moves the rollout. On tight x4 the
         decisions where events and the index differed were mostly these (bench/results/
-        kv_events.md, round 7). A replica the views show holding more than the home does (a
+        kv_events.md). A replica the views show holding more than the home does (a
         group sibling's blocks, another client's) still draws the request."""
-        # Runs for every request with a live view: the index's walk in C (PrefixIndex.reach).
+        # Runs for every request with a live view: the index's walk (PrefixIndex.reach).
         reach, common = index.reach(values, len(values), replicas)
         best = max(reach.values(), default=0)
         if best <= common:

@@ -65,7 +65,10 @@ class Policy(Protocol):
     def choose(self, candidates: Sequence[Candidate]) -> Decision: ...
 
 
-class _RoundRobinTies:
+class RoundRobinTies:
+    """Ties broken in turn: a policy's own counter, so a sequence of decisions is
+    deterministic."""
+
     def __init__(self) -> None:
         self._turn = 0
 
@@ -80,7 +83,7 @@ class _RoundRobinTies:
         return self._pick([c for c in candidates if c.load == low])
 
 
-class PrefixAffinity(_RoundRobinTies):
+class PrefixAffinity(RoundRobinTies):
     """Longest specific prefix wins, unless that replica is more than ``imbalance`` requests
     busier than the least-loaded one; then (and when nothing matches) least-loaded wins."""
 
@@ -107,30 +110,6 @@ class PrefixAffinity(_RoundRobinTies):
             return Decision(spill.replica, "spilled", spill.matched)
         pick = self._least_loaded(candidates)
         return Decision(pick.replica, "unmatched", 0)
-
-
-class RoundRobin(_RoundRobinTies):
-    """Baseline for benchmarks: ignores prefixes and load."""
-
-    name = "round_robin"
-    uses_prefix = False
-
-    def choose(self, candidates: Sequence[Candidate]) -> Decision:
-        if not candidates:
-            raise ValueError("no candidates")
-        return Decision(self._pick(candidates).replica, "unmatched", 0)
-
-
-class LeastLoaded(_RoundRobinTies):
-    """Baseline for benchmarks: vLLM's own data-parallel balancing (load only)."""
-
-    name = "least_loaded"
-    uses_prefix = False
-
-    def choose(self, candidates: Sequence[Candidate]) -> Decision:
-        if not candidates:
-            raise ValueError("no candidates")
-        return Decision(self._least_loaded(candidates).replica, "unmatched", 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,7 +231,7 @@ CONCURRENCY_MEMORY_DECISIONS = 1024
 COLD_START_CONCURRENCY = 128.0
 
 
-class CostBased(_RoundRobinTies):
+class CostBased(RoundRobinTies):
     """The replica where the request adds the least latency (:class:`CostModel`).
 
     It also learns the fleet's concurrency (the peak of requests in flight, decaying slowly:
@@ -274,14 +253,20 @@ class CostBased(_RoundRobinTies):
     def _projected_excess(self, candidates: Sequence[Candidate]) -> tuple[float, int]:
         """(contexts the fleet will carry beyond what its caches hold, fleet capacity in
         tokens); (0, 0) while any candidate's capacity is unknown."""
-        in_flight = 1.0 + sum(c.load for c in candidates if c.load > 0.0)
-        decayed = self.concurrency * (1.0 - 1.0 / CONCURRENCY_MEMORY_DECISIONS)
-        self.concurrency = max(in_flight, decayed)
+        loads = 0.0
         fleet_capacity = 0
+        known = True
         for c in candidates:
-            if c.kv_capacity_tokens <= 0:
-                return 0.0, 0
-            fleet_capacity += c.kv_capacity_tokens
+            if c.load > 0.0:
+                loads += c.load
+            if c.kv_capacity_tokens > 0:
+                fleet_capacity += c.kv_capacity_tokens
+            else:
+                known = False
+        decayed = self.concurrency * (1.0 - 1.0 / CONCURRENCY_MEMORY_DECISIONS)
+        self.concurrency = max(1.0 + loads, decayed)
+        if not known:
+            return 0.0, 0
         # Each context in flight is taken to be this one's size (prompt + expected output):
         # the proxy does not see the others' growth, and a group's members share this shape.
         context = max(candidates[0].prompt_tokens, 0) + self.model.expected_output_tokens
@@ -361,14 +346,18 @@ class CostBased(_RoundRobinTies):
             ]
         else:
             costs = [self.model.cost(c) for c in candidates]
-        own_wait = self._own_wait_beyond_fleet(candidates)
+        # Some capacity unknown (fleet_capacity 0): no memory term is priced anywhere.
+        own_wait = self._own_wait_beyond_fleet(candidates) if fleet_capacity else None
         if own_wait is not None:
             costs = [cost + wait for cost, wait in zip(costs, own_wait, strict=True)]
         low = min(costs)
         # Costs are sums of products of small integers and constants: equal inputs give
         # bit-identical floats, so exact comparison finds the real ties.
-        pick = self._pick([c for c, cost in zip(candidates, costs, strict=True) if cost == low])
-        best_match = max(c.matched for c in candidates)
+        if costs.count(low) == 1:
+            pick = candidates[costs.index(low)]  # no tie: the rotation does not advance
+        else:
+            pick = self._pick([c for c, cost in zip(candidates, costs, strict=True) if cost == low])
+        best_match = max([c.matched for c in candidates])
         if best_match == 0:
             return Decision(pick.replica, "unmatched", 0)
         outcome: Outcome = "affinity" if pick.matched == best_match else "spilled"
@@ -378,13 +367,26 @@ class CostBased(_RoundRobinTies):
 POLICIES: dict[str, Callable[[float], Policy]] = {
     "cost": lambda _imbalance: CostBased(),
     "prefix": PrefixAffinity,
-    "round_robin": lambda _imbalance: RoundRobin(),
-    "least_loaded": lambda _imbalance: LeastLoaded(),
 }
+
+# Baselines that only benchmarks run (bench/harness/baseline_policies.py registers them in
+# POLICIES for the bench's own launcher, ``python -m bench.harness.proxy_with_baselines``).
+BENCH_ONLY_POLICIES = ("round_robin", "least_loaded")
 
 
 def make_policy(name: str, imbalance: float) -> Policy:
     try:
         return POLICIES[name](imbalance)
     except KeyError:
-        raise ValueError(f"unknown policy {name!r}; one of {sorted(POLICIES)}") from None
+        raise ValueError(unknown_policy(name)) from None
+
+
+def unknown_policy(name: str) -> str:
+    """Why ``name`` is refused, naming what to use instead."""
+    if name in BENCH_ONLY_POLICIES:
+        return (
+            f"policy {name!r} is a benchmark baseline, not part of the proxy: use 'cost' (the "
+            "default) or 'prefix'; benchmarks run it with "
+            "`python -m bench.harness.proxy_with_baselines`"
+        )
+    return f"unknown policy {name!r}; one of {sorted(POLICIES)} ('cost' is the default)"

@@ -22,10 +22,8 @@ entries once warm; what it forgets first is what was touched least recently.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from types import ModuleType
+from collections.abc import Iterable, Sequence
 
-from proxy.core.native import module_for
 from proxy.core.reach import mask_of, prefix_reach
 
 HAS_CHILD = 1
@@ -34,9 +32,7 @@ REQUEST_END = 4
 _FP_SHIFT = 3
 _FP_MASK = 0xFFFF
 _HOLDERS_SHIFT = 19
-# The same layout, in this order, is defined again in proxy/core/_native.c (its C walk and
-# writes read values as 64-bit words); the module exports its copy and must match this one.
-INDEX_LAYOUT = (HAS_CHILD, BRANCHING, REQUEST_END, _FP_SHIFT, _FP_MASK, _HOLDERS_SHIFT)
+_BRANCH_BITS = BRANCHING | REQUEST_END
 
 # 32 replicas behind one proxy process is far beyond the recipe's 2 and keeps each packed value
 # within two 30-bit int digits (32 bytes); raise it with PROXY_MAX_REPLICAS for bigger fleets.
@@ -46,21 +42,9 @@ DEFAULT_MAX_REPLICAS = 32
 # (reach per replica, depth of the common preamble): reach.py's prefix_reach result.
 _Reach = tuple[dict[int, int], int]
 
-# The C extension packs values into 64 bits: 19 flag and fingerprint bits plus one per replica.
-MAX_NATIVE_REPLICAS = 64 - _HOLDERS_SHIFT
-
 
 class PrefixIndex:
-    """``use_native``: write a recorded chain's values in C (proxy/core/_native.c's
-    ``record_chain``, the same values as ``_updated`` and the links below; None: when the
-    extension is built); only up to MAX_NATIVE_REPLICAS replicas, beyond that always Python."""
-
-    def __init__(
-        self,
-        capacity: int,
-        max_replicas: int = DEFAULT_MAX_REPLICAS,
-        use_native: bool | None = None,
-    ) -> None:
+    def __init__(self, capacity: int, max_replicas: int = DEFAULT_MAX_REPLICAS) -> None:
         if capacity < 2:
             raise ValueError("index capacity must be >= 2 blocks")
         if max_replicas < 1:
@@ -72,22 +56,6 @@ class PrefixIndex:
         self._old: dict[int, int] = {}
         self._replica_mask = (1 << max_replicas) - 1
         self.evictions = 0
-        module = module_for(use_native)
-        self._record_chain: Callable[[dict[int, int], Sequence[int], Sequence[int], int], None]
-        self._record_chain = _record_chain
-        self._walk: Callable[[Sequence[int], int, Sequence[int]], _Reach | None] | None = None
-        # The extension whose C functions read and write this index (None: Python only);
-        # Router's one-call route (_native.c's route_tokens) works on the same two dicts.
-        self.native: ModuleType | None = None
-        if module is not None and module.INDEX_LAYOUT != INDEX_LAYOUT:
-            raise RuntimeError(
-                f"proxy.core._native packs index values as {module.INDEX_LAYOUT}, "
-                f"prefix_index.py as {INDEX_LAYOUT}: rebuild the extension (make setup)"
-            )
-        if module is not None and max_replicas <= MAX_NATIVE_REPLICAS:
-            self._record_chain = module.record_chain
-            self._walk = module.prefix_walk
-            self.native = module
 
     def __len__(self) -> int:
         return len(self._young) + len(self._old)
@@ -141,21 +109,20 @@ class PrefixIndex:
     @staticmethod
     def branching(values: Sequence[int]) -> list[bool]:
         """Per looked-up block: two different continuations seen, none ending a request there."""
-        return [v & (BRANCHING | REQUEST_END) == BRANCHING for v in values]
+        return [v & _BRANCH_BITS == BRANCHING for v in values]
 
     def reach(self, values: Sequence[int], count: int, replicas: Sequence[int]) -> _Reach:
         """reach.py's ``prefix_reach`` over the first ``count`` (>= 0) looked-up ``values``: (blocks
-        each of ``replicas`` holds from the first on, depth of the common preamble). In C when
-        the extension runs (proxy/core/_native.c's ``prefix_walk``: one pass, none of the
-        intermediate lists; it answers None, and this reference decides, for anything outside
-        64-bit values and replica indices below MAX_NATIVE_REPLICAS)."""
-        if self._walk is not None:
-            walked = self._walk(values, count, replicas)
-            if walked is not None:
-                return walked
-        values = values[:count]
-        eligible = mask_of(replicas)
-        return prefix_reach(self.held(values, eligible), self.branching(values), eligible, replicas)
+        each of ``replicas`` holds from the first on, depth of the common preamble)."""
+        if count < len(values):
+            values = values[:count]
+        eligible = mask_of(replicas) << _HOLDERS_SHIFT
+        # Holders masked in place (not shifted down block by block); most chains never branch,
+        # and the list of bools is built only when one does.
+        held = [v & eligible for v in values]
+        flags = [v & _BRANCH_BITS for v in values]
+        branching = [f == BRANCHING for f in flags] if BRANCHING in flags else []
+        return prefix_reach(held, branching, eligible, replicas, _HOLDERS_SHIFT)
 
     def record(self, keys: Sequence[int], replica: int, known: Sequence[int] | None = None) -> None:
         """Remember that ``replica`` was sent the prefix ``keys`` (a chain, block 0 first).
@@ -175,6 +142,13 @@ class PrefixIndex:
             return
         if known is None:
             known = self.lookup(keys)
+        end = holder | REQUEST_END
+        if len(known) == n and n and known[n - 1] & end == end:
+            # A prompt sent here before, the usual case for a group's rollouts: a chain through
+            # its last block was recorded for this replica, which gave every block before it this
+            # holder and its link to the next (holders leave only all blocks at once, with
+            # forget_replica; links only gain bits), so rewriting the chain changes nothing.
+            return
         young = self._young
         if len(young) + n > self._half:
             # Make room first, so every block below lands in one generation (known blocks
@@ -183,7 +157,7 @@ class PrefixIndex:
             self.evictions += len(self._old)
             self._old = young
             young = self._young = {}
-        self._record_chain(young, keys, known, holder)
+        _record_chain(young, keys, known, holder)
 
     def _record_each(self, keys: Sequence[int], holder: int) -> None:
         values = [self._get(key) or 0 for key in keys]
@@ -211,31 +185,40 @@ def _record_chain(
     young: dict[int, int], keys: Sequence[int], known: Sequence[int], holder: int
 ) -> None:
     """Write the chain ``keys`` into ``young``: the ``known`` leading blocks updated, the rest
-    fresh links, the last one a request's end (the reference of _native.c's record_chain)."""
+    fresh links, the last one a request's end."""
     k, n = len(known), len(keys)
-    young.update(zip(keys[:k], _updated(keys, known, holder), strict=True))
-    last = n - 1
+    if k:
+        young.update(zip(keys, _updated(keys, known, holder), strict=False))  # the known ones
     if k < n:
         linked = holder | HAS_CHILD
-        links = [linked | ((nk & _FP_MASK) << _FP_SHIFT) for nk in keys[k + 1 :]]
-        young.update(zip(keys[k:last], links, strict=True))
-        young[keys[last]] = holder | REQUEST_END
+        young.update(
+            zip(
+                keys[k : n - 1],
+                [linked | ((nk & _FP_MASK) << _FP_SHIFT) for nk in keys[k + 1 :]],
+                strict=True,
+            )
+        )
+        young[keys[n - 1]] = holder | REQUEST_END
+
+
+# A value's link to its first child: HAS_CHILD and the child's fingerprint.
+_LINK_MASK = HAS_CHILD | (_FP_MASK << _FP_SHIFT)
 
 
 def _updated(keys: Sequence[int], values: Sequence[int], holder: int) -> list[int]:
     """``values`` (of the leading ``keys``) with ``holder`` added and each block's link to the
-    next one recorded: a first child's fingerprint, or branching when a different one follows."""
-    out = []
-    last = len(keys) - 1
-    for i, value in enumerate(values):
-        value |= holder
-        if i < last:
-            fp = keys[i + 1] & _FP_MASK
-            if not value & HAS_CHILD:
-                value |= HAS_CHILD | (fp << _FP_SHIFT)
-            elif (value >> _FP_SHIFT) & _FP_MASK != fp:
-                value |= BRANCHING
-        else:
-            value |= REQUEST_END
-        out.append(value)
+    next one recorded: a first child's fingerprint, or branching when a different one follows;
+    the chain's last block marked as a request's end."""
+    k = len(values)
+    # One comprehension over the blocks (this runs for every routed request): a block already
+    # linked to this very child, the usual case for a prompt seen before, only gains the holder.
+    links = [HAS_CHILD | ((nk & _FP_MASK) << _FP_SHIFT) for nk in keys[1 : k + 1]]
+    out = [
+        v | holder
+        if v & _LINK_MASK == link
+        else (v | holder | BRANCHING if v & HAS_CHILD else v | holder | link)
+        for v, link in zip(values, links, strict=False)  # the last block has no link
+    ]
+    if k == len(keys):
+        out.append(values[k - 1] | holder | REQUEST_END)
     return out

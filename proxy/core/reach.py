@@ -25,16 +25,32 @@ def mask_of(replicas: Iterable[int]) -> int:
 
 
 def prefix_reach(
-    held: Sequence[int], branching: Sequence[bool], eligible: int, replicas: Iterable[int]
+    held: Sequence[int],
+    branching: Sequence[bool],
+    eligible: int,
+    replicas: Iterable[int],
+    shift: int = 0,
 ) -> tuple[dict[int, int], int]:
     """(reach per replica, depth of the common preamble), both in blocks.
 
     ``held[d]``: bitmask of the eligible replicas holding block ``d`` (0-based, chain order);
     ``branching[d]``: the proxy saw two different continuations of block ``d`` that do not end
-    a request there. A replica's reach is how many leading blocks it holds; block ``d`` is common
-    when every eligible replica holds it or it branches, and common is inherited by every block
-    before it (``specific`` turns reach into the match that counts as affinity)."""
+    a request there (empty when none does). A replica's reach is how many leading blocks it
+    holds; block ``d`` is common when every eligible replica holds it or it branches, and common
+    is inherited by every block before it (``specific`` turns reach into the match that counts
+    as affinity). ``shift``: replica ``r`` is bit ``r + shift`` of ``held`` and ``eligible``
+    (the prefix index passes its values masked in place rather than shifted down block by
+    block)."""
     n = len(held)
+    if n and held.count(held[0]) == n:
+        # Every block held by the same replicas (a prompt only ever sent whole): one C-level
+        # count says it, and each replica holds all of the chain or none of it.
+        first = held[0]
+        common = n if first == eligible else 0
+        if not common and True in branching:
+            common = n - branching[::-1].index(True)
+        first >>= shift
+        return {r: n if first >> r & 1 else 0 for r in replicas}, common
     common = 0
     if n:
         # The deepest common block, found from the deep end by C-level list searches.
@@ -54,14 +70,14 @@ def prefix_reach(
         dropped = alive & ~now
         while dropped:
             low = dropped & -dropped
-            reach[low.bit_length() - 1] = depth
+            reach[low.bit_length() - 1 - shift] = depth
             dropped ^= low
         alive = now
         if now:
             depth += holding.count(now)
     while alive:
         low = alive & -alive
-        reach[low.bit_length() - 1] = n
+        reach[low.bit_length() - 1 - shift] = n
         alive ^= low
     return reach, common
 

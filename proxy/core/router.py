@@ -20,23 +20,13 @@ common after the second distinct prompt. tests/unit/test_router.py shows both ca
 
 from __future__ import annotations
 
-from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from proxy.core.extract import RoutingKey
 from proxy.core.hashing import BlockHasher, FastHasher, Namespace
 from proxy.core.kv_view import PreciseMatcher
-from proxy.core.policy import (
-    CONCURRENCY_MEMORY_DECISIONS,
-    Candidate,
-    CostBased,
-    CostModel,
-    Decision,
-    Policy,
-    PrefixAffinity,
-)
+from proxy.core.policy import Candidate, Decision, Policy
 from proxy.core.prefix_index import PrefixIndex
 from proxy.core.reach import specific
 
@@ -51,37 +41,16 @@ MAX_CACHED_NAMESPACES = 1024
 MAX_TRACKED_EPOCHS = 4096
 
 
-# route_tokens' policy kinds (proxy/core/_native.c: POLICY_COST, POLICY_PREFIX).
-_NATIVE_POLICY_KINDS: dict[type, int] = {CostBased: 0, PrefixAffinity: 1}
-
-
 class Router:
-    """``route`` runs a token-id prompt's whole routing in one call into the C extension
-    (proxy/core/_native.c's ``route_tokens``: hash, lookup, walk, the policy's arithmetic,
-    record) when the hasher and the index run the extension and the policy is ``cost`` or
-    ``prefix`` exactly; the Python path below stays the reference (text prompts, the KV-event
-    view, other policies, no extension) and tests/unit/test_native.py holds the two to
-    bit-identical decisions and index states. ``use_native=False`` forces the reference."""
-
     def __init__(
         self,
         hasher: BlockHasher,
         index: PrefixIndex,
         policy: Policy,
-        use_native: bool | None = None,
         precise: PreciseMatcher | None = None,
     ) -> None:
-        self.hasher = hasher
         self.index = index
-        self._use_native = use_native
-        self._route_tokens: Callable[..., Decision | None] | None = None
-        self._learn_tokens: Callable[..., bool | None] | None = None
-        self._native_kind = 0
         self.policy = policy
-        # Chain seeds by namespace fields (model, adapter path, cache salt, epoch), for the C
-        # route: one dict lookup instead of building a Namespace and hashing it (bounded as
-        # MAX_CACHED_NAMESPACES says).
-        self._seeds: dict[tuple[str, str | None, str | None, int], int] = {}
         self._epochs: OrderedDict[str, int] = OrderedDict()
         self._next_epoch = 1
         self._namespaces: dict[tuple[str, str | None, str | None, int], Namespace] = {}
@@ -92,39 +61,16 @@ class Router:
         self.kv_capacity_tokens: dict[int, int] = (
             precise.capacity_tokens if precise is not None else {}
         )
+        self.use_hasher(hasher)
+
+    def use_hasher(self, hasher: BlockHasher) -> None:
+        """Route and learn with ``hasher`` from now on (the replicas' block size or hash
+        algorithm, once learned): everything derived from the hasher is rebound with it, so a
+        completion's chain continues in the new hasher's blocks."""
+        self.hasher = hasher
         # A completion's chain continued in one call where the hasher can (FastHasher: in C when
         # the extension runs); other hashers continue it from the concatenated ids.
         self._extend_tail = hasher.extend_tail if isinstance(hasher, FastHasher) else None
-
-    @property
-    def policy(self) -> Policy:
-        return self._policy
-
-    @policy.setter
-    def policy(self, policy: Policy) -> None:
-        self._policy = policy
-        self._route_tokens = self._learn_tokens = None
-        kind = _NATIVE_POLICY_KINDS.get(type(policy))
-        if kind == 0 and type(policy.model) is not CostModel:  # type: ignore[attr-defined]
-            kind = None  # a subclassed model may price differently: the reference decides
-        module = self.index.native
-        if (
-            self._use_native is False
-            or kind is None
-            or module is None
-            or not isinstance(self.hasher, FastHasher)
-            or self.hasher.native is not module
-        ):
-            return
-        if module.CONCURRENCY_MEMORY_DECISIONS != CONCURRENCY_MEMORY_DECISIONS:
-            raise RuntimeError(
-                "proxy.core._native decays the learned concurrency over "
-                f"{module.CONCURRENCY_MEMORY_DECISIONS} decisions, policy.py over "
-                f"{CONCURRENCY_MEMORY_DECISIONS}: rebuild the extension (make setup)"
-            )
-        self._route_tokens = module.route_tokens
-        self._learn_tokens = module.learn_tokens
-        self._native_kind = kind
 
     @property
     def block_size(self) -> int:
@@ -164,60 +110,34 @@ class Router:
     ) -> Decision:
         """Pick one of ``loads`` (replica index, current load) for ``key`` and remember that
         the chosen replica now holds the request's prefix."""
-        route_tokens = self._route_tokens
-        tokens = key.tokens
-        if route_tokens is not None and tokens.__class__ is array and self.precise is None:
-            model = key.model
-            fields = (model, lora_path, key.cache_salt, self._epochs.get(model, 0))
-            seed = self._seeds.get(fields)
-            if seed is None:
-                seed = self._seed(fields)
-            decision = route_tokens(
-                self.index,
-                self._policy,
-                self._native_kind,
-                tokens,
-                self.hasher.block_size,
-                seed,
-                loads,
-                self.kv_capacity_tokens,
-                Decision,
-            )
-            if decision is not None:
-                return decision
-        return self._route(key, loads, lora_path)
-
-    def _seed(self, fields: tuple[str, str | None, str | None, int]) -> int:
-        hasher: Any = self.hasher  # a FastHasher: route_tokens is set only then
-        if len(self._seeds) >= MAX_CACHED_NAMESPACES:
-            self._seeds.clear()
-        seed: int = hasher.seed(Namespace(*fields))
-        self._seeds[fields] = seed
-        return seed
-
-    def _route(
-        self, key: RoutingKey, loads: Sequence[tuple[int, float]], lora_path: str | None
-    ) -> Decision:
-        """The reference: everything route_tokens does not take, and what it declines."""
         if not loads:
             raise ValueError("no eligible replica")
-        if not self.policy.uses_prefix:
-            return self.policy.choose([Candidate(r, load, 0) for r, load in loads])
-        blocks = self.block_keys(key, lora_path)
-        bs = self.block_size
+        policy = self.policy
+        if not policy.uses_prefix:
+            return policy.choose([Candidate(r, load, 0) for r, load in loads])
+        tokens = key.tokens
+        namespace = self.namespace(key, lora_path)
+        if tokens is not None:
+            blocks = self.hasher.hash_tokens(tokens, namespace)
+            length = len(tokens)
+        else:
+            assert key.text is not None
+            blocks = self.hasher.hash_text(key.text, namespace)
+            length = key.length
+        bs = self.hasher.block_size
         # vLLM always recomputes the last prompt token, so at most (len-1)//bs blocks can hit.
-        matchable = max(0, (key.length - 1) // bs)
+        matchable = (length - 1) // bs if length else 0
         # One lookup of every block: scoring reads the matchable ones, recording reuses them all.
-        values = self.index.lookup(blocks)
+        index = self.index
+        values = index.lookup(blocks)
         # Text prompts without a tokenizer hash approximately: only token ids match vLLM's keys.
-        precise = self.precise if key.tokens is not None else None
+        precise = self.precise if tokens is not None else None
         replicas = [r for r, _ in loads]
         if precise is None:
-            reach, common = self.index.reach(values, matchable, replicas)
+            reach, common = index.reach(values, matchable, replicas)
         else:
             event_keys = self._event_keys(key, lora_path, blocks[:matchable])
-            reach, common = precise.reach(self.index, values[:matchable], event_keys, replicas)
-        length = key.length
+            reach, common = precise.reach(index, values[:matchable], event_keys, replicas)
         capacity = self.kv_capacity_tokens
         candidates = []
         for r, load in loads:
@@ -230,11 +150,11 @@ class Router:
             # new prompts sharing a system prompt over the fleet instead of sending each one
             # after the first (priced as missing where never sent, 12 groups in a row went to
             # one of 2 idle replicas: test_group_of_eight_lands_on_one_replica...).
-            held = d if precise is not None else max(d, common)
+            held = d if precise is not None or d > common else common
             new = length - held * bs
             candidates.append(Candidate(r, load, matched, new, length, capacity.get(r, 0)))
-        decision = self.policy.choose(candidates)
-        self.index.record(blocks, decision.replica, values)
+        decision = policy.choose(candidates)
+        index.record(blocks, decision.replica, values)
         # The policy's decision is a fresh object of this request's: completed in place.
         decision.blocks = tuple(blocks)
         if precise is not None:
@@ -266,26 +186,7 @@ class Router:
         A multi-turn rollout's next prompt is ``prompt + completion + tool output``; without
         this the continuation matches only the original prompt, and a request that was frozen
         by a cache-clearing pause and finished afterwards would not be remembered at all
-        (bench/README.md measured most of the proxy's lost hits in these two cases).
-
-        A token-id prompt is learned in one call into the C extension where ``route`` is
-        (_native.c's ``learn_tokens``: the same chain, lookup and record as below)."""
-        learn_tokens = self._learn_tokens
-        tokens = key.tokens
-        if (
-            learn_tokens is not None
-            and tokens.__class__ is array
-            and completion
-            and learn_tokens(
-                self.index,
-                tokens,
-                completion,
-                self.hasher.block_size,
-                decision.blocks,
-                decision.replica,
-            )
-        ):
-            return
+        (bench/README.md measured most of the proxy's lost hits in these two cases)."""
         if key.tokens is None or not completion or not self.policy.uses_prefix:
             return
         bs = self.block_size

@@ -13,9 +13,7 @@ from proxy.core.policy import (
     Candidate,
     CostBased,
     CostModel,
-    LeastLoaded,
     PrefixAffinity,
-    RoundRobin,
     make_policy,
 )
 
@@ -51,22 +49,32 @@ def test_ties_are_round_robin() -> None:
     assert picks[:3] != picks[1:4]
 
 
-def test_baselines() -> None:
+def test_bench_baselines_are_choosable_only_once_registered() -> None:
+    from bench.harness.baseline_policies import LeastLoaded, RoundRobin, register
+
     rr = RoundRobin()
-    assert [rr.choose([Candidate(0, 9, 9), Candidate(1, 0, 0)]).replica for _ in range(4)] == [
-        1,
-        0,
-        1,
-        0,
-    ]
-    ll = LeastLoaded()
-    assert ll.choose([Candidate(0, 3, 9), Candidate(1, 1, 0)]).replica == 1
+    picks = [rr.choose([Candidate(0, 9, 9), Candidate(1, 0, 0)]).replica for _ in range(4)]
+    assert picks == [1, 0, 1, 0]
+    assert LeastLoaded().choose([Candidate(0, 3, 9), Candidate(1, 1, 0)]).replica == 1
+    assert set(POLICIES) == {"cost", "prefix"}
+    register()
+    try:
+        assert make_policy("round_robin", 8).name == "round_robin"
+        assert make_policy("least_loaded", 8).name == "least_loaded"
+    finally:
+        for name in ("round_robin", "least_loaded"):
+            del POLICIES[name]
+
+
+@pytest.mark.parametrize("name", ["round_robin", "least_loaded"])
+def test_a_removed_baseline_is_refused_naming_the_default(name: str) -> None:
+    with pytest.raises(ValueError, match=r"use 'cost'.*bench\.harness\.proxy_with_baselines"):
+        make_policy(name, 8)
 
 
 def test_registry_and_errors() -> None:
     assert make_policy("prefix", 8).name == "prefix"
-    assert make_policy("round_robin", 8).name == "round_robin"
-    with pytest.raises(ValueError, match="unknown policy"):
+    with pytest.raises(ValueError, match=r"unknown policy 'magic'.*'cost' is the default"):
         make_policy("magic", 8)
     with pytest.raises(ValueError):
         PrefixAffinity(8).choose([])
@@ -147,7 +155,7 @@ def test_cost_is_the_default_policy() -> None:
 
     assert Settings(replicas=["http://127.0.0.1:1"]).policy == "cost"
     assert make_policy("cost", 8).name == "cost"
-    assert set(POLICIES) >= {"cost", "prefix", "round_robin", "least_loaded"}
+    assert set(POLICIES) == {"cost", "prefix"}
 
 
 # The memory term's unit: a request holds its blocks for 600 decode steps of 4 ms + 0.05 ms per

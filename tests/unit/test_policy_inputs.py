@@ -8,12 +8,12 @@ from collections.abc import Sequence
 from proxy.core.extract import RoutingKey
 from proxy.core.hashing import FastHasher, Namespace, VllmHasher
 from proxy.core.kv_view import PreciseMatcher, ReplicaView
-from proxy.core.policy import Candidate, Decision, LeastLoaded
+from proxy.core.policy import Candidate, Decision, RoundRobinTies
 from proxy.core.prefix_index import PrefixIndex
 from proxy.core.router import Router
 
 
-class Recording(LeastLoaded):
+class Recording(RoundRobinTies):
     name = "recording"
     uses_prefix = True
 
@@ -23,7 +23,7 @@ class Recording(LeastLoaded):
 
     def choose(self, candidates: Sequence[Candidate]) -> Decision:
         self.seen = list(candidates)
-        return super().choose(candidates)
+        return Decision(self._least_loaded(candidates).replica, "unmatched", 0)
 
 
 def test_candidates_carry_the_prompt_and_the_scraped_capacity() -> None:

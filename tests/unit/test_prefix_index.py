@@ -101,3 +101,24 @@ def test_recording_with_the_lookup_it_follows_is_recording_alone() -> None:
     for chain in chains[-60:]:
         assert a.lookup(chain) == b.lookup(chain)
     assert len(a) <= 400 and len(b) <= 400
+
+
+def test_recording_a_known_chain_again_adds_only_what_is_new() -> None:
+    """A prompt routed again (a group's rollouts) finds its chain known: sent to the same
+    replica nothing changes; sent elsewhere, every block gains that holder."""
+    index = PrefixIndex(1000, 4)
+    chain = [11, 12, 13, 14]
+    index.record(chain, 0)
+    first = index.lookup(chain)
+    index.record(chain, 0, index.lookup(chain))
+    assert index.lookup(chain) == first
+    index.record(chain, 1, index.lookup(chain))
+    assert [index.holders(v) for v in index.lookup(chain)] == [0b11] * 4
+    index.record(chain[:2], 2, index.lookup(chain[:2]))  # a shorter request ends at block 1
+    values = index.lookup(chain)
+    assert [index.holders(v) for v in values] == [0b111, 0b111, 0b11, 0b11]
+    assert values[1] & REQUEST_END
+    index.record([*chain, 15], 3)  # continued past its last block: linked, not branching
+    values = index.lookup([*chain, 15])
+    assert values[3] & HAS_CHILD and not values[3] & BRANCHING
+    assert [index.holders(v) for v in values] == [0b1111, 0b1111, 0b1011, 0b1011, 0b1000]

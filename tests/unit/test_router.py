@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import random
+from array import array
+from collections.abc import Sequence
 
 import pytest
 
 from proxy.core.extract import RoutingKey
 from proxy.core.hashing import MAX_CHAIN_TAILS, FastHasher, Namespace, make_hasher
-from proxy.core.policy import CostBased, PrefixAffinity
+from proxy.core.policy import Candidate, CostBased, Decision, PrefixAffinity, RoundRobinTies
 from proxy.core.prefix_index import PrefixIndex
 from proxy.core.router import Router
 
@@ -137,10 +139,18 @@ def test_last_token_is_never_counted_as_a_hit() -> None:
     assert max(matches.values()) <= 1
 
 
-def test_baseline_policies_skip_hashing() -> None:
-    from proxy.core.policy import RoundRobin
+class LoadOnly(RoundRobinTies):
+    """A policy that reads no prefixes (the bench's baselines are such)."""
 
-    router = Router(FastHasher(16), PrefixIndex(10), RoundRobin())
+    name = "load_only"
+    uses_prefix = False
+
+    def choose(self, candidates: Sequence[Candidate]) -> Decision:
+        return Decision(self._least_loaded(candidates).replica, "unmatched", 0)
+
+
+def test_policies_without_prefixes_skip_hashing() -> None:
+    router = Router(FastHasher(16), PrefixIndex(10), LoadOnly())
     router.route(key(list(range(64))), [(0, 0.0), (1, 0.0)])
     assert len(router.index) == 0
 
@@ -185,6 +195,25 @@ def test_completion_is_remembered_so_the_next_turn_matches_it_too() -> None:
     d = router.route(key(turn2), fleet.loads())
     assert d.replica == first.replica and d.outcome == "affinity"
     assert d.matched_blocks >= (len(p) + len(completion)) // 16 - 4  # beyond the template
+
+
+@pytest.mark.parametrize("use_native", [False, None], ids=["python", "auto"])
+def test_a_continuation_hits_after_the_block_size_is_learned(use_native: bool | None) -> None:
+    """The replicas' block size (32 on vLLM's CPU backend) replaces the default 16 after start:
+    a completion is then learned in 32-token blocks too, so the next turn matches prompt and
+    completion, not just the prompt."""
+    router = Router(FastHasher(16, use_native), PrefixIndex(100_000), PrefixAffinity(8))
+    router.use_hasher(FastHasher(32, use_native))
+    rng = random.Random(12)
+    p = array("I", [rng.randrange(50_000) for _ in range(100)])  # 3 full blocks, 4 of tail
+    loads = [(0, 0.0), (1, 0.0)]
+    first = router.route(key(p), loads)  # type: ignore[arg-type]
+    completion = [rng.randrange(50_000) for _ in range(60)]
+    router.record_completion(key(p), first, completion)  # type: ignore[arg-type]
+    turn2 = [*p, *completion, *range(40)]  # 200 tokens: prompt + completion = 5 full blocks
+    d = router.route(key(turn2), loads)
+    assert d.replica == first.replica and d.outcome == "affinity"
+    assert d.matched_blocks == (len(p) + len(completion)) // 32
 
 
 def test_a_rollout_finishing_after_a_cache_clearing_pause_is_remembered() -> None:
@@ -240,15 +269,13 @@ def test_cached_namespaces_follow_purges_and_stay_bounded(monkeypatch: pytest.Mo
     assert len(router.hasher._seeds) <= 4  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize(
-    ("name", "learns"),
-    [("cost", True), ("prefix", True), ("round_robin", False), ("least_loaded", False)],
-)
-def test_only_prefix_aware_policies_learn_completions(name: str, learns: bool) -> None:
+@pytest.mark.parametrize(("policy", "learns"), [("cost", True), ("prefix", True), ("load", False)])
+def test_only_prefix_aware_policies_learn_completions(policy: str, learns: bool) -> None:
     """The data path skips reading a completion's ids when the router would learn nothing."""
     from proxy.core.policy import make_policy
 
-    router = Router(FastHasher(16), PrefixIndex(100_000), make_policy(name, 8))
+    chosen = LoadOnly() if policy == "load" else make_policy(policy, 8)
+    router = Router(FastHasher(16), PrefixIndex(100_000), chosen)
     assert router.learns_completions is learns
     p = list(range(40))
     decision = router.route(key(p), [(0, 0.0), (1, 0.0)])
