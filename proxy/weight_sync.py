@@ -85,20 +85,13 @@ def _int_field(info: dict[str, Any], name: str, low: int) -> int:
     return value
 
 
+@dataclass(eq=False, repr=False)
 class WeightSync:
-    def __init__(
-        self,
-        settings: Settings,
-        fleet: Fleet,
-        upstream: Upstream,
-        control: ControlPlane,
-        metrics: Metrics,
-    ) -> None:
-        self.settings = settings
-        self.fleet = fleet
-        self.upstream = upstream
-        self.control = control
-        self.metrics = metrics
+    settings: Settings
+    fleet: Fleet
+    upstream: Upstream
+    control: ControlPlane
+    metrics: Metrics
 
     @property
     def book(self) -> WeightBook:
