@@ -120,6 +120,11 @@ class PrefixIndex:
         # Holders masked in place (not shifted down block by block); most chains never branch,
         # and the list of bools is built only when one does.
         held = [v & eligible for v in values]
+        n = len(held)
+        if n and held[0] == eligible and held.count(eligible) == n:
+            # Every eligible replica holds the whole chain (a prompt spread over the fleet): it
+            # is all common, whatever branches, so the flags are not read.
+            return dict.fromkeys(replicas, n), n
         flags = [v & _BRANCH_BITS for v in values]
         branching = [f == BRANCHING for f in flags] if BRANCHING in flags else []
         return prefix_reach(held, branching, eligible, replicas, _HOLDERS_SHIFT)
