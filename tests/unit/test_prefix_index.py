@@ -153,3 +153,16 @@ def test_reach_of_looked_up_values_is_the_walk_of_their_decoding(seed: int) -> N
         assert index.reach(values, count, replicas) == prefix_reach(
             held, branching, eligible, replicas
         )
+
+
+def test_a_block_whose_holders_are_all_forgotten_is_still_found() -> None:
+    """A stored value keeps its link or request-end bit when its holders are cleared, so it is
+    never mistaken for a missing block (``lookup`` tells a miss by a falsy value)."""
+    index = PrefixIndex(capacity=64, max_replicas=2)
+    index.record([1, 2, 3], 0)
+    index.record([1], 1)
+    index.forget_replica(0)
+    index.forget_replica(1)
+    values = index.lookup([1, 2, 3])
+    assert len(values) == 3
+    assert [index.holders(v) for v in values] == [0, 0, 0]
