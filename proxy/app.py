@@ -42,7 +42,7 @@ from proxy.hotpath import DataPath, ProxyApp, parse_json
 from proxy.membership import Membership, describe
 from proxy.metrics import Metrics
 from proxy.probes import Probes
-from proxy.reconciler import wait_for_replica
+from proxy.reconciler import Reconciler, wait_for_replica
 from proxy.relay import make_relay
 from proxy.security.adapter_roots import AdapterRoots
 from proxy.security.guard import Guard, SecurityMiddleware
@@ -152,7 +152,8 @@ def build_runtime(settings: Settings, transport: httpx.AsyncBaseTransport | None
     if kv_events is not None:
         kv_events.register(metrics.registry)
     checker = AdapterRoots(settings.adapter_roots).check if settings.adapter_roots else None
-    control = ControlPlane(settings, fleet, router, upstream, metrics, path_check=checker)
+    reconciler = Reconciler(settings, fleet, router, upstream, metrics)
+    control = ControlPlane(reconciler, path_check=checker)
     health = HealthMonitor(settings, fleet, control, upstream, metrics)
     token = settings.upstream_token.get_secret_value() if settings.upstream_token else ""
     guard = Guard(
@@ -165,13 +166,13 @@ def build_runtime(settings: Settings, transport: httpx.AsyncBaseTransport | None
         (token.encode(),) if token else (),
     )
     relay = make_relay(settings, upstream, transport is not None)
-    changes = control.reconciler.changes
-    clock = control.clock
 
     async def wait_for(model: str) -> list[Replica]:
-        return await wait_for_replica(fleet, changes, model, settings.adapter_wait_s, clock)
+        return await wait_for_replica(
+            fleet, reconciler.changes, model, settings.adapter_wait_s, reconciler.clock
+        )
 
-    data = DataPlane(fleet, router, relay, metrics, control.eject, guard, kv_events, wait_for)
+    data = DataPlane(fleet, router, relay, metrics, reconciler.eject, guard, kv_events, wait_for)
     return Runtime(
         settings=settings,
         metrics=metrics,

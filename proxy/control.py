@@ -1,27 +1,13 @@
 """TRL's control calls: adapter load/unload, pause, resume, cache reset.
 
-Each call records the desired state first (``Fleet.desired_*``), then applies its action to
-every member replica in parallel through the one reconciler (``proxy.reconciler``), whatever the
-proxy's bookkeeping says about each (pending, reconciling, ready, draining, ejected: only
-removed replicas are skipped). Calls are serialised with each other by ``lock`` (a load never
-interleaves with a pause); they never wait for the health loop, which observes without locks.
-
-One rule for every endpoint (``reconciler.verdict``), since TRL retries none of these calls:
-
-* 200 when every replica that answered applied it. A replica that cannot be reached or times out
-  is ejected (it takes no traffic) and reconciled by the health loop before serving again; so is
-  one that answered with a server-side failure (5xx, a storage mount that never caught up) while
-  others applied the call.
-* Refused when a replica answered with a verdict on the request itself (4xx: a bad pause mode,
-  a name already taken by another path), or when no replica applied it at all; the error lists
-  every replica's outcome. A 4xx is passed on as is (never 404 for a load: TRL reads that as
-  "runtime LoRA updating disabled"); failures on every replica are a 502 (504 for a mount that
-  never caught up); nobody reached is a 503.
-* load and pause are all-or-nothing: when refused, the previous desired state is restored and
-  the replicas that applied the call are rolled back (unloaded / resumed) at once.
-
-A load meeting "No adapter found" (the replica's storage mount has not caught up with the
-trainer's rename) is retried every ``lora_retry_s`` until ``lora_load_timeout_s``.
+Each call records the desired state first (``Fleet.desired_*``), then applies its action to every
+member replica in parallel through the reconciler; calls are serialised by ``lock`` and never
+wait for the health loop. One rule answers every endpoint (``reconciler.verdict``; TRL retries
+none of them): 200 when every replica that answered applied it (the unreachable and the failed
+are ejected and reconciled later); refused with every replica's outcome otherwise, a 4xx passed
+on as is but never 404 (TRL reads a 404 on load as "runtime LoRA updating disabled"). load and
+pause are all-or-nothing: a refused one restores the previous desired state and rolls back the
+replicas that applied it. docs/reliability.md has the whole contract.
 """
 
 from __future__ import annotations
@@ -33,8 +19,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from proxy.core.fleet import Fleet, Replica
-from proxy.core.router import Router
 from proxy.errors import (
     BroadcastFailed,
     InvalidRequest,
@@ -42,10 +26,7 @@ from proxy.errors import (
     UpstreamTimeout,
     UpstreamUnavailable,
 )
-from proxy.metrics import Metrics
 from proxy.reconciler import APPLIED, Action, Outcome, Reconciler, Verdict, verdict
-from proxy.settings import Settings
-from proxy.upstream import Upstream
 
 log = logging.getLogger("rollout_proxy.control")
 
@@ -81,42 +62,24 @@ def _summary(outcomes: list[Outcome]) -> str:
 
 
 class ControlPlane:
+    """The control endpoints over the one ``Reconciler`` (which owns the fleet, router, upstream
+    and clock they act through)."""
+
     def __init__(
-        self,
-        settings: Settings,
-        fleet: Fleet,
-        router: Router,
-        upstream: Upstream,
-        metrics: Metrics,
-        *,
-        clock: Callable[[], float] | None = None,
-        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-        path_check: Callable[[str], None] | None = None,
+        self, reconciler: Reconciler, *, path_check: Callable[[str], None] | None = None
     ) -> None:
-        self.settings = settings
-        self.fleet = fleet
-        self.router = router
-        self.metrics = metrics
-        # The event loop's clock by default (monotonic; virtual under the fault simulation).
-        self.clock = clock or (lambda: asyncio.get_running_loop().time())
+        self.reconciler = reconciler
+        self.settings = reconciler.settings
+        self.fleet = reconciler.fleet
+        self.router = reconciler.router
+        self.metrics = reconciler.metrics
+        self.clock = reconciler.clock
         self.path_check = path_check
-        self.reconciler = Reconciler(
-            settings, fleet, router, upstream, metrics, clock=clock, sleep=sleep
-        )
         self.lock = asyncio.Lock()  # control calls, one at a time (the health loop never takes it)
         self.in_flight = 0  # control calls under way: the health loop leaves READY replicas alone
 
-    # The data plane and membership eject through these (stable API).
-    def note_failure(self, replica: Replica, reason: str) -> None:
-        self.reconciler.note_failure(replica, reason)
-
-    def eject(self, replica: Replica, reason: str) -> None:
-        self.reconciler.eject(replica, reason)
-
     def refresh_adapter_gauges(self) -> None:
         self.reconciler.refresh_adapter_gauges()
-
-    # -- the one broadcast ------------------------------------------------------------------
 
     async def _broadcast(
         self, endpoint: str, action: Action, deadline: float | None = None

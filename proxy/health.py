@@ -217,12 +217,12 @@ class HealthMonitor:
             return
         problem = await self.probe_health(replica)
         if problem is not None:
-            self.control.note_failure(replica, problem)
+            self.control.reconciler.note_failure(replica, problem)
             return
         try:
             await asyncio.gather(self.scrape(replica), self.observe(replica))
         except (ProxyError, ValueError) as exc:
-            self.control.note_failure(replica, f"observe failed: {exc}")
+            self.control.reconciler.note_failure(replica, f"observe failed: {exc}")
             return
         if not self._needs_converging(replica):
             self.metrics.replica_healthy.labels(str(replica.index)).set(

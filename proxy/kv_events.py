@@ -71,7 +71,7 @@ RESULTS = ("exact", "over", "under")
 def first_match(pattern: re.Pattern[bytes], literal: bytes, body: bytes) -> re.Match[bytes] | None:
     """``pattern.search(body)`` for a pattern whose every match starts with ``literal``:
     ``bytes.find`` skips to each candidate faster than the regex engine scans, and an answer that
-    carries its prompt's ids is tens of KiB (bench/results/archive/kv_events_cpu_r9.md)."""
+    carries its prompt's ids is tens of KiB."""
     at = body.find(literal)
     while at >= 0:
         match = pattern.match(body, at)

@@ -93,12 +93,6 @@ def normalize_replica_url(url: str) -> str:
     return url.rstrip("/")
 
 
-def _split_urls(value: Any) -> Any:
-    if isinstance(value, str):
-        return [u.strip() for u in value.split(",") if u.strip()]
-    return value
-
-
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="PROXY_",
@@ -380,10 +374,15 @@ class Settings(BaseSettings):
             raise ValueError("; ".join(problems))
         return data
 
-    @field_validator("api_keys", "admin_keys", mode="before")
+    @field_validator(
+        "replicas", "kv_events_endpoints", "api_keys", "admin_keys", "adapter_roots", mode="before"
+    )
     @classmethod
-    def _parse_keys(cls, value: Any) -> Any:
-        return _split_urls(value)
+    def _parse_lists(cls, value: Any) -> Any:
+        """A comma-separated string (environment, CLI) as a list; a list as given."""
+        if isinstance(value, str):
+            return [item.strip() for item in value.split(",") if item.strip()]
+        return value
 
     @field_validator("api_keys", "admin_keys")
     @classmethod
@@ -399,11 +398,6 @@ class Settings(BaseSettings):
             if not all(33 <= ord(c) < 127 for c in text):
                 raise ValueError("keys must be printable ASCII without spaces or commas")
         return value
-
-    @field_validator("adapter_roots", mode="before")
-    @classmethod
-    def _parse_roots(cls, value: Any) -> Any:
-        return _split_urls(value)
 
     @field_validator("adapter_roots")
     @classmethod
@@ -431,13 +425,6 @@ class Settings(BaseSettings):
             )
         return self
 
-    # -- end of security block ----------------------------------------------------------------
-
-    @field_validator("replicas", mode="before")
-    @classmethod
-    def _parse_replicas(cls, value: Any) -> Any:
-        return _split_urls(value)
-
     @field_validator("replicas")
     @classmethod
     def _check_replicas(cls, value: list[str]) -> list[str]:
@@ -447,11 +434,6 @@ class Settings(BaseSettings):
         if len(set(cleaned)) != len(cleaned):
             raise ValueError("replica URLs must be distinct")
         return cleaned
-
-    @field_validator("kv_events_endpoints", mode="before")
-    @classmethod
-    def _parse_kv_endpoints(cls, value: Any) -> Any:
-        return _split_urls(value)
 
     @field_validator("kv_events_endpoints")
     @classmethod

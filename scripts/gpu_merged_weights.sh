@@ -6,6 +6,11 @@
 # proxy's dependencies, and MODEL readable offline (a local path or a cached Hub id).
 # Usage: MODEL=Qwen/Qwen2.5-0.5B-Instruct OUT=bench/results/gpu_merged_weights.json \
 #        scripts/gpu_merged_weights.sh
+#
+# NCCL refuses two ranks of one communicator on the same device ("Duplicate GPU detected"), and
+# the trainer and every vLLM worker are ranks of one group: with 3 or more GPUs visible, the
+# trainer keeps GPU 0 and server i gets GPU i+1; on a single GPU the servers share it with the
+# trainer and the group's init is expected to fail with that error (the script still records it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
@@ -26,7 +31,9 @@ for i in 0 1; do
   port=$(free_port)
   # No --enable-lora: lora_config is null, so TRL takes the merged path (DoRA alone would too).
   # Dev mode serves /pause, /server_info and the weight-transfer routes.
-  VLLM_SERVER_DEV_MODE=1 setsid "$PYTHON" -m vllm.entrypoints.cli.main serve "$MODEL" \
+  ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
+  gpu=$(( ngpu >= 3 ? i + 1 : 0 ))
+  CUDA_VISIBLE_DEVICES=$gpu VLLM_SERVER_DEV_MODE=1 setsid "$PYTHON" -m vllm.entrypoints.cli.main serve "$MODEL" \
     --port "$port" --host 127.0.0.1 --gpu-memory-utilization "$MEM" \
     --max-model-len 2048 --enforce-eager \
     --weight-transfer-config '{"backend": "nccl"}' >"$LOGS/vllm$i.log" 2>&1 &

@@ -23,21 +23,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--mutate", choices=sorted(MUTATIONS), help="run with a deliberate bug (must be caught)"
     )
+    parser.add_argument(
+        "--mode",
+        choices=("adapter", "merged"),
+        default="adapter",
+        help="how the simulated trainer syncs: adapter loads, or merged weights (weight transfer)",
+    )
     args = parser.parse_args(argv)
 
     seeds = [args.seed] if args.seed is not None else range(args.first, args.first + args.seeds)
     started = time.perf_counter()
     violations = 0
     failing: list[int] = []
-    totals = {"syncs": 0, "control_calls": 0, "control_refused": 0, "completions": 0}
+    totals = {
+        "syncs": 0,
+        "control_calls": 0,
+        "control_refused": 0,
+        "completions": 0,
+        "weight_calls": 0,
+        "weight_refused": 0,
+        "weights_checked": 0,
+        "stale_unchecked": 0,
+    }
     for seed in seeds:
-        result = run_seed(seed, mutate=MUTATIONS[args.mutate] if args.mutate else None)
+        mutate = MUTATIONS[args.mutate] if args.mutate else None
+        result = run_seed(seed, mutate=mutate, mode=args.mode)
         for key in totals:
             totals[key] += getattr(result, key)
         if args.seed is not None:
             print(f"seed {seed}: fault schedule")
             for fault in result.schedule:
                 print(f"  {fault.describe()}")
+            if args.mode == "merged":
+                print(f"  trainer carries on after a failed step: {result.persist}")
             print(
                 f"  {result.syncs} weight syncs, {result.control_calls} control calls "
                 f"({result.control_refused} refused), {result.completions} completions "
@@ -59,6 +77,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{elapsed:.1f} s wall, {count / elapsed:.1f} seeds/s"
         + (f"; failing seeds: {failing[:20]}" if failing else "")
     )
+    if args.mode == "merged":
+        print(
+            f"{totals['weight_calls']} weight-transfer calls ({totals['weight_refused']} refused), "
+            f"{totals['weights_checked']} completions checked against the fleet's weights, "
+            f"{totals['stale_unchecked']} served by other weights while unchecked "
+            "(after a proxy restart, before a new group's first finish)"
+        )
     print(f"{count} seeds, {violations} invariant violations")
     return 1 if violations else 0
 

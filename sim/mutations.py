@@ -52,8 +52,27 @@ def ready_only_serving(world: Any) -> None:
     world.proxy.rt.data.wait_for_replica = None
 
 
+def stale_weights_serve(world: Any) -> None:
+    """A broken merged-weight rule: a replica whose weights are not the fleet's (its update
+    failed, it restarted after the group was formed, or it was added later) stays eligible."""
+    fleet: Fleet = world.proxy.rt.fleet
+    can_serve = fleet.can_serve
+
+    def ignoring_weights(replica: Replica, model: str) -> bool:
+        stale, replica.weights.stale = replica.weights.stale, None
+        try:
+            return can_serve(replica, model)
+        finally:
+            replica.weights.stale = stale
+
+    fleet.can_serve = ignoring_weights  # type: ignore[method-assign]
+
+
 MUTATIONS: dict[str, Callable[[Any], None]] = {
     "ready_only_broadcast": ready_only_broadcast,
     "eligibility_ignores_status": eligibility_ignores_status,
     "ready_only_serving": ready_only_serving,
+    "stale_weights_serve": stale_weights_serve,
 }
+# The trainer mode each mutation's rule matters in (python -m sim --mode, tests/integration).
+MODES: dict[str, str] = {"stale_weights_serve": "merged"}

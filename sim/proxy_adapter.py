@@ -13,7 +13,7 @@ the only one to re-point.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -31,6 +31,7 @@ class Answer:
     body: Any
     message: str = ""
     relayed: bool = False  # a replica's own answer passed through, not the proxy's
+    headers: dict[str, str] = field(default_factory=dict)  # a relayed answer's headers
 
 
 class ProxyUnderTest:
@@ -85,6 +86,34 @@ class ProxyUnderTest:
             return self._error(exc)
         return Answer(reply.status, reply.body)
 
+    async def weights(self, endpoint: str, raw: bytes = b"", query: str = "") -> Answer:
+        """The merged-weight routes (proxy/weight_sync.py), as the app's handlers call them."""
+        rt = self.rt
+        assert rt is not None
+        try:
+            if endpoint == "get_world_size":
+                reply = await rt.weights.get_world_size(query)
+            elif endpoint == "init":
+                reply = await rt.weights.init(raw)
+            elif endpoint == "start":
+                reply = await rt.weights.start(raw)
+            elif endpoint == "update":
+                reply = await rt.weights.update(raw)
+            else:
+                reply = await rt.weights.finish(raw)
+        except Exception as exc:
+            return self._error(exc)
+        return Answer(reply.status, reply.body)
+
+    async def add_replica(self, url: str) -> Answer:
+        """POST /admin/replicas."""
+        rt = self.rt
+        assert rt is not None
+        try:
+            return Answer(201, await rt.membership.add(url))
+        except Exception as exc:
+            return self._error(exc)
+
     async def probe(self, endpoint: str) -> Answer:
         rt = self.rt
         assert rt is not None
@@ -120,4 +149,5 @@ class ProxyUnderTest:
             answered = orjson.loads(payload) if payload else None
         except orjson.JSONDecodeError:
             answered = None
-        return Answer(response.status_code, answered, relayed=True)
+        headers = {k.lower(): v for k, v in getattr(response, "headers", {}).items()}
+        return Answer(response.status_code, answered, relayed=True, headers=headers)

@@ -11,6 +11,12 @@ timeout (wedged), a connection reset mid-answer (crash).
 
 Invariant I1 is checked here, where it happens: a completion that reaches a replica lacking its
 adapter is recorded as a violation.
+
+Merged-weight sync (vLLM weight transfer) is modelled without tensors: each replica has a world
+size and a weights counter. ``/init_weight_transfer_engine`` gives it a seat, ``/update_weights``
+"receives" the trainer's version (``update_info.sim_version``, which the proxy passes on as it
+passes every field), and ``/finish_weight_update`` makes it the weights the replica serves. A
+restart loses the seat and goes back to the launch weights (0), as a restarted vLLM would.
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ class Faults:
     probe_hang: bool = False  # GETs (probes) hang; control calls and completions still answered
     missing: set[str] = field(default_factory=set)  # optional endpoints this server lacks
     mount_lag_s: float = 0.0  # adapters published now become readable this much later
+    update_fails: bool = False  # /update_weights answers 500 (the transfer broke)
+    update_hangs: bool = False  # /update_weights never answers (the transfer stalled)
 
 
 class SimReplica:
@@ -71,6 +79,14 @@ class SimReplica:
         self._resumed: asyncio.Future[None] | None = None
         self.applied: list[tuple[float, str, str]] = []  # (time, action, name) of 2xx applies
         self.served = 0
+        # Merged-weight sync: world size, seat (rank_offset) in the trainer's group, the weights
+        # served (the trainer's version; 0 = launch weights) and the label its finish carried.
+        self.world_size = 1
+        self.seat: int | None = None
+        self.updating = False
+        self.received: int | None = None  # the version an update brought, not yet finished
+        self.weights = 0
+        self.weights_label: str | None = None
 
     # -- faults -------------------------------------------------------------------------------
 
@@ -88,6 +104,11 @@ class SimReplica:
         self._resumed = None
         self.adapters.clear()
         self.paused = False
+        self.seat = None  # a restarted engine has no weight-transfer group
+        self.updating = False
+        self.received = None
+        self.weights = 0
+        self.weights_label = None
 
     def restart(self) -> None:
         self.faults.down = False
@@ -195,6 +216,54 @@ class SimReplica:
         self._applied("reset")
         return _json({"success": True})
 
+    # -- merged-weight sync (vLLM 0.33's weight-transfer routes) ---------------------------------
+
+    async def get_world_size(self, query: str, body: Any) -> httpx.Response:
+        return _json({"world_size": self.world_size})
+
+    async def init_weights(self, query: str, body: Any) -> httpx.Response:
+        info = body.get("init_info") if isinstance(body, dict) else None
+        if not isinstance(info, dict):
+            return _error("Missing 'init_info' in request body", "BadRequestError", 400)
+        self.seat = int(info["rank_offset"])
+        self.updating = False
+        self.received = None
+        self._applied("init_weights")
+        return _json({"message": "Weight transfer initialized"})
+
+    async def start_update(self, query: str, body: Any) -> httpx.Response:
+        if self.seat is None:
+            return _error("weight transfer engine is not initialized", "InternalServerError", 500)
+        self.updating = True
+        self.received = None
+        return _json({"message": "Weight update started"})
+
+    async def update_weights(self, query: str, body: Any) -> httpx.Response:
+        if self.seat is None or not self.updating:
+            message = "no weight update started on an initialized engine"
+            return _error(message, "InternalServerError", 500)
+        if self.faults.update_fails:
+            return _error("weight transfer failed: connection closed by peer", "Error", 500)
+        if self.faults.update_hangs:
+            await self.world.forever()
+        incarnation = self.incarnation
+        await asyncio.sleep(self.world.rng_transfer_s())  # the tensors arrive over the group
+        if self.incarnation != incarnation:
+            raise httpx.RemoteProtocolError("connection reset by peer")
+        self.received = int(body["update_info"]["sim_version"])
+        return _json({"message": "Weights updated"})
+
+    async def finish_update(self, query: str, body: Any) -> httpx.Response:
+        if self.seat is None:
+            return _error("weight transfer engine is not initialized", "InternalServerError", 500)
+        if self.received is not None:
+            self.weights = self.received
+            label = body.get("weight_version") if isinstance(body, dict) else None
+            self.weights_label = label if isinstance(label, str) else None
+        self.updating = False
+        self.received = None
+        return _json({"message": "Weight update finished"})
+
     async def completion(self, query: str, body: Any) -> httpx.Response:
         model = body.get("model")
         try:
@@ -263,6 +332,11 @@ ROUTES: dict[tuple[str, str], Any] = {
     ("POST", "/resume"): SimReplica.resume,
     ("POST", "/reset_prefix_cache"): SimReplica.reset,
     ("POST", "/v1/completions"): SimReplica.completion,
+    ("GET", "/get_world_size"): SimReplica.get_world_size,
+    ("POST", "/init_weight_transfer_engine"): SimReplica.init_weights,
+    ("POST", "/start_weight_update"): SimReplica.start_update,
+    ("POST", "/update_weights"): SimReplica.update_weights,
+    ("POST", "/finish_weight_update"): SimReplica.finish_update,
 }
 
 

@@ -12,6 +12,18 @@ Invariants (README, "Reliability"):
   unload of X is served, or fails only because no replica holding X stayed alive through it
   (a replica counts once it has been alive for ``I6_GRACE_S``: the proxy has seen it by then).
 
+Merged mode (``mode="merged"``): the trainer syncs merged weights through the weight-transfer
+routes instead of loading adapters (TRL 1.16's sequence: /get_world_size and
+/init_weight_transfer_engine once, then per sync pause, start, update, finish, resume), with
+faults of its own (an update that fails or hangs, a replica added at run time) on top of the
+restarts. Its invariants:
+
+* I7 no stale weights after a successful finish: a completion sent and answered while the
+  fleet's last successfully finished version is k (no finish between) is answered by a replica
+  that holds k, and its X-Proxy-Weight-Version names k's label;
+* I8 no weight-transfer call, pause or resume takes longer than PROXY_CONTROL_TIMEOUT_S;
+* I9 no weight-transfer route answers 404.
+
 Everything random is drawn from one ``random.Random(seed)``, and time is virtual
 (``sim.loop``), so a seed replays exactly.
 """
@@ -67,6 +79,16 @@ FAULT_KINDS = (
     "proxy_restart",
     "restart_all",  # every replica at once, their mount lagging on reload (the reported run)
 )
+# Merged mode: no adapters (so no mount lag), and the weight transfer's own faults.
+MERGED_FAULT_KINDS = (
+    *(kind for kind in FAULT_KINDS if kind != "mount_lag"),
+    "update_fail",  # /update_weights answers 500 (the transfer broke on that replica)
+    "update_hang",  # /update_weights never answers (the transfer stalled)
+    "add_replica",  # POST /admin/replicas after the group was formed
+)
+# World sizes a replica may have (TP x PP x DP workers), drawn per replica in merged mode.
+WORLD_SIZES = (1, 1, 2, 4)
+FINISH_SERVING = re.compile(r"\(replicas \[([\d, ]*)\] serve weight version ([^)]*)\)")
 # A replica counts as healthy for I3 once this long has passed since its last fault and since
 # the desired state last changed: 3 probe rounds, plus one probe budget for the round in flight.
 I3_WINDOW_S = 3 * HEALTH_INTERVAL_S + PROBE_TIMEOUT_S
@@ -85,17 +107,21 @@ class Fault:
     detail: str = ""
 
     def describe(self) -> str:
-        who = {"proxy_restart": "proxy", "restart_all": "every replica"}.get(
-            self.kind, f"replica {self.replica}"
-        )
+        who = {
+            "proxy_restart": "proxy",
+            "restart_all": "every replica",
+            "add_replica": "a new replica",
+        }.get(self.kind, f"replica {self.replica}")
         extra = f" ({self.detail})" if self.detail else ""
         return f"t={self.at:6.2f}s {self.kind:<17} {who} for {self.duration:.2f}s{extra}"
 
 
-def draw_schedule(rng: random.Random, replicas: int) -> list[Fault]:
+def draw_schedule(
+    rng: random.Random, replicas: int, kinds: tuple[str, ...] = FAULT_KINDS
+) -> list[Fault]:
     faults: list[Fault] = []
     for _ in range(rng.randint(2, 5)):
-        kind = rng.choice(FAULT_KINDS)
+        kind = rng.choice(kinds)
         at = round(rng.uniform(3.0, RUN_S - 18.0), 2)
         replica = rng.randrange(replicas)
         # A restart takes vLLM tens of seconds; at least three probe rounds here, so that the
@@ -113,6 +139,8 @@ def draw_schedule(rng: random.Random, replicas: int) -> list[Fault]:
             duration = RUN_S
         elif kind == "proxy_restart":
             duration = 0.5
+        elif kind == "add_replica":
+            duration = 0.0
         elif kind == "restart_all":
             detail = f"{rng.choice((3, 6, 10))} load attempts 404 per adapter"
         faults.append(Fault(at, kind, replica, duration, detail))
@@ -136,6 +164,13 @@ class Result:
     completions: int = 0
     completions_failed: int = 0
     syncs: int = 0
+    weight_calls: int = 0  # merged mode: weight-transfer calls the trainer made
+    weight_refused: int = 0  # ... and how many were answered with an error
+    weights_checked: int = 0  # completions whose serving replica's weights I7 checked
+    # Completions a replica with other weights served while no check applied: after a proxy
+    # restart (it keeps no weight state) and before the next group's first finish.
+    stale_unchecked: int = 0
+    persist: bool = False  # merged mode: the trainer carries on to finish after a failed step
 
 
 class World:
@@ -144,6 +179,7 @@ class World:
         seed: int,
         replicas: int = 3,
         mutate: Callable[[World], None] | None = None,
+        mode: str = "adapter",
     ) -> None:
         self.seed = seed
         self.rng = random.Random(seed)
@@ -154,7 +190,9 @@ class World:
             replicas=[f"http://replica{r.index}.sim:{r.port}" for r in self.replicas], **SETTINGS
         )
         self.proxy = ProxyUnderTest(settings, self.transport)
-        self.schedule = draw_schedule(self.rng, replicas)
+        self.mode = mode
+        kinds = MERGED_FAULT_KINDS if mode == "merged" else FAULT_KINDS
+        self.schedule = draw_schedule(self.rng, replicas, kinds)
         self.result = Result(seed, self.schedule)
         self.mutate = mutate
         self.healthy_since = [0.0] * replicas  # when each replica's last fault ended
@@ -172,6 +210,22 @@ class World:
         self._restarts: list[asyncio.Future[None]] = []
         self._one_proxy = asyncio.Lock()  # restarts scheduled close together run one by one
         self._stopping = False
+        # Merged mode (drawn only there, so the adapter mode's seeds replay as before).
+        self.group_formed = False
+        self.epoch = 0  # groups formed so far
+        # Finish calls begun so far, and whether one is in flight: a completion whose sending or
+        # answer falls within one is not checked (replicas switch weights before the proxy hears
+        # of it, and the simulated pause holds only requests that arrive while paused).
+        self.finish_calls = 0
+        self.finishing = False
+        self.reference: int | None = None  # the version of the last successful finish ...
+        self.reference_label: str | None = None  # ... and its label; None: nothing to check
+        self.last_finished = 0  # the trainer's last successfully finished version, kept
+        self.persist = False  # carry on to finish after a failed step (TRL stops at the first)
+        if mode == "merged":
+            for r in self.replicas:
+                r.world_size = self.rng.choice(WORLD_SIZES)
+            self.persist = self.result.persist = self.rng.random() < 0.5
 
     # -- helpers used by the replicas ---------------------------------------------------------
 
@@ -183,6 +237,9 @@ class World:
 
     def rng_completion_s(self) -> float:
         return self.rng.uniform(0.5, 3.0)
+
+    def rng_transfer_s(self) -> float:
+        return self.rng.uniform(0.2, 2.0)
 
     async def forever(self) -> None:
         """Hang until cancelled (a wedged replica; callers always have a timeout)."""
@@ -209,6 +266,9 @@ class World:
         if fault.kind == "restart_all":
             await self._restart_all(fault)
             return
+        if fault.kind == "add_replica":
+            await self._add_replica()
+            return
         replica = self.replicas[fault.replica]
         f = replica.faults
         undo: Callable[[], None]
@@ -233,9 +293,19 @@ class World:
         elif fault.kind == "probe_timeout":
             f.probe_hang = True
             undo = lambda: setattr(f, "probe_hang", False)  # noqa: E731
+        elif fault.kind == "update_fail":
+            f.update_fails = True
+            undo = lambda: setattr(f, "update_fails", False)  # noqa: E731
+        elif fault.kind == "update_hang":
+            f.update_hangs = True
+            undo = lambda: setattr(f, "update_hangs", False)  # noqa: E731
         else:  # partition
             f.partitioned = True
             undo = lambda: setattr(f, "partitioned", False)  # noqa: E731
+        if fault.kind in ("update_fail", "update_hang"):  # probes and serving are unaffected
+            await asyncio.sleep(fault.duration)
+            undo()
+            return
         if fault.kind in ("wedge", "slow", "5xx", "partition"):
             replica.disruptions += 1
         if fault.kind != "missing_endpoints":  # a permanent trait, not a fault: I3 must hold
@@ -263,6 +333,29 @@ class World:
             r.lag_until = now + attempts * HEALTH_INTERVAL_S + PROBE_TIMEOUT_S
             self.healthy_since[r.index] = self.alive_since[r.index] = now
 
+    async def _add_replica(self) -> None:
+        """POST /admin/replicas with a fresh replica (launch weights, no seat). The operator also
+        lists it in PROXY_REPLICAS, so a proxy restart keeps it at the same index."""
+        while self.proxy_down or self.control_busy:  # noqa: ASYNC110 - virtual clock
+            await asyncio.sleep(0.1)
+        replica = SimReplica(len(self.replicas), self)
+        replica.world_size = self.rng.choice(WORLD_SIZES)
+        self.replicas.append(replica)
+        self.transport.by_port[replica.port] = replica
+        self.healthy_since.append(self.now())
+        self.alive_since.append(self.now())
+        url = f"http://replica{replica.index}.sim:{replica.port}"
+        settings = self.proxy.settings
+        self.proxy.settings = settings.model_copy(update={"replicas": [*settings.replicas, url]})
+        self.control_busy = True
+        try:
+            answer = await self.proxy.add_replica(url)
+        finally:
+            self.control_busy = False
+        self._check_answer("add replica", answer)
+        if answer.status != 201:
+            self.violation("I2", f"adding replica {replica.index} answered {answer.status}")
+
     def _unhealthy(self, replica: SimReplica) -> bool:
         f = replica.faults
         return (
@@ -284,6 +377,10 @@ class World:
             await asyncio.sleep(0.1)  # (TRL's own process survives; restarts fall between calls)
         self.proxy_down = True
         await self.proxy.stop()
+        if self.mode == "merged":
+            # The proxy keeps no weight state across a restart: it routes to every replica until
+            # the trainer forms a new group (its next step answers 409) and finishes a sync in it.
+            self.reference = self.reference_label = None
         await asyncio.sleep(down_s)
         await self.proxy.start()
         if self.mutate is not None:
@@ -342,6 +439,8 @@ class World:
         ]
         what = f"{endpoint} {name} at {started:.2f}s"
         self._check_answer(what, answer)
+        if self.mode == "merged":
+            self._check_bounded(what, started)
         if answer.status != 200 and not (endpoint == "unload" and answer.status == 404):
             self.result.control_refused += 1
             if able:
@@ -398,6 +497,138 @@ class World:
                 )
             self.result.syncs += 1
 
+    # -- the trainer, merged mode -------------------------------------------------------------
+
+    async def _weight_call(self, endpoint: str, body: dict[str, Any] | None = None) -> Answer:
+        while self.proxy_down:  # noqa: ASYNC110 - restarts fall between calls (as _control)
+            await asyncio.sleep(0.1)
+        self.control_busy = True
+        raw = json.dumps(body).encode() if body is not None else b""
+        started = self.now()
+        try:
+            answer = await self.proxy.weights(endpoint, raw)
+        finally:
+            self.control_busy = False
+        self.desired_changed_at = self.now()
+        self.result.weight_calls += 1
+        what = f"{endpoint} at {started:.2f}s"
+        self._check_bounded(what, started)
+        if answer.status == 404:
+            self.violation("I9", f"{what} answered 404: {answer.message[:300]}")
+        self._check_answer(what, answer)
+        if answer.status != 200:
+            self.result.weight_refused += 1
+        return answer
+
+    def _check_bounded(self, what: str, started: float) -> None:
+        took, limit = self.now() - started, float(SETTINGS["control_timeout_s"])
+        if took > limit + 1e-6:
+            self.violation("I8", f"{what} took {took:.2f}s, past PROXY_CONTROL_TIMEOUT_S={limit:g}")
+
+    async def _form_group(self) -> bool:
+        """TRL's init_communicator: ask the world size, then init with rank_offset 1."""
+        sized = await self._weight_call("get_world_size")
+        if sized.status != 200:
+            return False
+        info = {
+            "master_address": "10.0.0.1",
+            "master_port": 51216,
+            "rank_offset": 1,
+            "world_size": int(sized.body["world_size"]) + 1,
+        }
+        formed = await self._weight_call("init", {"init_info": info})
+        if formed.status != 200:
+            return False
+        self.group_formed = True
+        self.epoch += 1
+        self.reference = self.reference_label = None  # nothing finished in this group yet
+        return True
+
+    async def _merged_sync_loop(self) -> None:
+        while self.now() < RUN_S - 12.0:
+            await asyncio.sleep(self.rng.uniform(3.0, 7.0))
+            # A trainer whose group broke (a step answered 409 or "not initialized") stops; the
+            # run that replaces it forms a new group first.
+            if not self.group_formed and not await self._form_group():
+                continue
+            self.version += 1
+            v = self.version
+            self.pauses += 1
+            await self._control("pause", query="mode=keep")
+            update_info = {
+                "names": ["model.embed_tokens.weight"],
+                "dtype_names": ["bfloat16"],
+                "shapes": [[32, 8]],
+                "packed": False,
+                "sim_version": v,
+            }
+            answers = [await self._weight_call("start", {})]
+            if answers[-1].status == 200 or self.persist:
+                answers.append(await self._weight_call("update", {"update_info": update_info}))
+            if answers[-1].status == 200 or self.persist:
+                self.finish_calls += 1
+                self.finishing = True
+                try:
+                    finished = await self._weight_call("finish", {})
+                finally:
+                    self.finishing = False
+                answers.append(finished)
+                self._finished(v, finished)
+            resumed = await self._control("resume")
+            if resumed.status == 200:
+                self.resumes = self.pauses
+            if any(a.status == 409 or "not initialized" in a.message for a in answers):
+                self.group_formed = False
+            self.result.syncs += 1
+
+    def _finished(self, version: int, answer: Answer) -> None:
+        """The fleet moves to ``version`` on a finish answered 200, or refused with the replicas
+        that completed the sync whole named (they serve it; the others are stale)."""
+        label: str | None = None
+        if answer.status == 200 and isinstance(answer.body, dict):
+            label = answer.body.get("weight_version")
+        else:
+            serving = FINISH_SERVING.search(answer.message)
+            if serving is not None and serving.group(1).strip():
+                label = serving.group(2)
+        if label is None:
+            return
+        self.reference, self.reference_label = version, label
+        self.last_finished = version
+
+    def _weights_moment(self) -> tuple[int, int] | None:
+        """What a completion's I7 check compares between its sending and its answer (None: a
+        finish is in flight)."""
+        return None if self.finishing else (self.epoch, self.finish_calls)
+
+    def _check_weights(self, answer: Answer, sent: tuple[int, int] | None) -> None:
+        """I7 on a completion answered 200 (merged mode)."""
+        index = int(answer.headers.get("x-proxy-replica", "-1"))
+        if not 0 <= index < len(self.replicas):
+            self.violation("I7", f"completion answered without a known replica ({index})")
+            return
+        replica = self.replicas[index]
+        if sent is None or sent != self._weights_moment():
+            return  # a finish was under way while it ran: replicas may hold either weights
+        if self.reference is None:
+            if self.last_finished and replica.weights != self.last_finished:
+                self.result.stale_unchecked += 1
+            return
+        self.result.weights_checked += 1
+        header = answer.headers.get("x-proxy-weight-version")
+        if replica.weights != self.reference:
+            self.violation(
+                "I7",
+                f"completion served by replica {index} holding weights v{replica.weights} after "
+                f"the fleet finished v{self.reference} (header {header!r})",
+            )
+        elif header != self.reference_label or replica.weights_label != header:
+            self.violation(
+                "I7",
+                f"completion from replica {index}: X-Proxy-Weight-Version {header!r}, the "
+                f"replica's label {replica.weights_label!r}, the fleet's {self.reference_label!r}",
+            )
+
     async def _rollouts(self, worker: int) -> None:
         rng = random.Random(self.rng.random())
         while self.now() < RUN_S - 5.0:
@@ -432,7 +663,10 @@ class World:
             alive = self._living_holders(model, sent_at)
             faults_before = list(self.alive_since)
             pauses = self.pauses if self.pauses == self.resumes else -1
+            weights_sent = self._weights_moment()
             answer = await self.proxy.complete(body, f"sim-{seed}")
+            if self.mode == "merged" and answer.status == 200:
+                self._check_weights(answer, weights_sent)
             self.result.completions += 1
             self._check_answer(f"completion {model}", answer)
             if pauses == self.pauses:  # not held by a pause of the trainer's own at any point
@@ -528,6 +762,8 @@ class World:
             )
             if now - since < I3_WINDOW_S:
                 continue
+            if replica.index >= len(fleet.replicas):
+                continue  # being added right now
             proxy_view = fleet.replicas[replica.index]
             problems = []
             if replica.adapters != fleet.desired_adapters:
@@ -554,7 +790,8 @@ class World:
             self.mutate(self)
         background = [asyncio.create_task(self._watch())]
         background += [asyncio.create_task(self._inject(f)) for f in self.schedule]
-        work = [asyncio.create_task(self._sync_loop()), asyncio.create_task(self._probes())]
+        syncs = self._merged_sync_loop() if self.mode == "merged" else self._sync_loop()
+        work = [asyncio.create_task(syncs), asyncio.create_task(self._probes())]
         work += [asyncio.create_task(self._rollouts(w)) for w in range(3)]
         await asyncio.gather(*work)
         self._stopping = True
@@ -579,7 +816,12 @@ class World:
             self.violation("I5", f"{self.transport.open} upstream requests left open")
 
 
-def run_seed(seed: int, replicas: int = 3, mutate: Callable[[World], None] | None = None) -> Result:
+def run_seed(
+    seed: int,
+    replicas: int = 3,
+    mutate: Callable[[World], None] | None = None,
+    mode: str = "adapter",
+) -> Result:
     from sim.loop import run
 
     # Thousands of seeds of injected faults would log every ejection; the level is restored
@@ -590,7 +832,7 @@ def run_seed(seed: int, replicas: int = 3, mutate: Callable[[World], None] | Non
     fds_before = _open_fds()
 
     async def main() -> Result:
-        world = World(seed, replicas, mutate)
+        world = World(seed, replicas, mutate, mode)
         return await world.run()
 
     try:

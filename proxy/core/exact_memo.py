@@ -24,8 +24,8 @@ from collections import OrderedDict
 # Blocks remembered. What must survive is a prefix between its uses: a group's prompt until its
 # rollouts are all routed (milliseconds), a rollout's context until its next turn (seconds), for
 # every rollout in flight. TRL keeps up to a few hundred in flight (max_inflight_tasks) at up to
-# 256 blocks (4,096 tokens): 2**16 blocks covers 256 such contexts. Measured 279 bytes per
-# entry (bench.run_kv_events_micro: slot, int key, event key, 32-byte digest), ~18 MB when full.
+# 256 blocks (4,096 tokens): 2**16 blocks covers 256 such contexts. 279 bytes per entry
+# (bench.run_kv_events_micro: slot, int key, event key, 32-byte digest), ~18 MB when full.
 # A miss costs one sha256, never a wrong key.
 DEFAULT_MEMO_BLOCKS = 65_536
 # Namespace ids kept (a client may send a fresh cache salt per request): when full the table is
@@ -42,7 +42,7 @@ class ExactMemo:
             raise ValueError("memo capacity must be >= 0 blocks")
         self.capacity = capacity
         # One int key per block: the namespace id in the bits above the 64-bit chain key, so a
-        # lookup hashes a plain int (a tuple key measured ~2x slower).
+        # lookup hashes a plain int (a tuple key costs about twice as much).
         self.digests: OrderedDict[int, tuple[int, bytes]] = OrderedDict()
         self._ids: dict[object, int] = {}
         self._next_id = 1

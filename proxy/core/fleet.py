@@ -408,9 +408,15 @@ class Fleet:
             if len(paths) > 1:
                 conflicts.append(name)
             self.desired_adapters[name] = max(paths.items(), key=lambda kv: kv[1])[0]
-        # A replica that answers "paused" was paused by TRL before the restart; unknown ones
-        # (no /is_paused) say nothing either way.
-        self.desired_paused = any(p is True for p in paused.values())
+        # Paused only when every replica that gave a known answer is paused; unknown answers
+        # (no /is_paused, timed out, nonsense) say nothing, and no known answer means not paused.
+        # TRL's pause is broadcast all-or-nothing, so a fleet it paused answers paused
+        # everywhere; a mixed fleet is a resume that reached only some replicas (one was wedged,
+        # or restarted during a sync). Resuming then costs at most some rollouts served during
+        # a sync, while staying paused wrongly holds every rollout until the next sync, which
+        # may never come: the trainer needs rollouts to reach it.
+        known = [p for p in paused.values() if p is not None]
+        self.desired_paused = bool(known) and all(known)
         return conflicts
 
     def published(self, name: str, path: str, loaded_on: Iterable[int]) -> None:

@@ -1,32 +1,20 @@
 """What each replica really holds, from vLLM's KV-cache events (pure: no I/O, no asyncio, no zmq).
 
-vLLM publishes one batch per scheduler step: ``BlockStored`` (block keys it just cached),
-``BlockRemoved`` (evicted) and ``AllBlocksCleared`` (a prefix-cache reset, which ``/pause`` does
-unless ``clear_cache=false``), numbered by a per-publisher sequence that starts at 0. Block keys
-are the low 64 bits of vLLM's own block digests, which ``proxy.core.hashing.VllmHasher`` computes
-bit for bit, adapter (name, path) included -- so a request's keys can be looked up directly.
-
-``ReplicaView`` keeps one replica's set of cached keys and decides, from sequence numbers alone,
-whether that set is the truth (``live``) or not. ``PreciseMatcher`` turns the views into the
-same per-replica "specific prefix" lengths the router computes from its own index, so the policy
-is unchanged: a replica whose view is live is scored by what it holds, every other replica by
-what the proxy sent it (today's index), per replica.
-
-Trust. Every field of a batch is untrusted input: a batch that does not decode to the documented
-shape is counted as malformed and skipped, never raised. Because a skipped batch may have held a
-removal or a reset, the view then stops being trusted until the next resynchronisation point.
-
-Resynchronisation points (where the view is known complete again): sequence 0 (a publisher that
-just started has an empty cache), ``AllBlocksCleared``, or a replay that fills a gap exactly.
-TRL pauses with a cache reset at every weight sync, so a replica whose view was dropped is back
-on the precise path within one sync interval even without a replay endpoint.
+``ReplicaView`` keeps one replica's cached block keys (the low 64 bits of vLLM's block digests,
+which ``proxy.core.hashing.VllmHasher`` reproduces) and decides from sequence numbers alone
+whether they are the whole truth (``live``). ``PreciseMatcher`` turns the views into the
+per-replica specific-prefix lengths the router computes from its index: a replica with a live
+view is scored by what it holds, every other by what the proxy sent it. Every field of a batch is
+untrusted: a malformed batch is counted and skipped, and drops the view (it may have held a
+removal) until the next resynchronisation point: sequence 0, ``AllBlocksCleared``, or a replay
+that fills a gap exactly. docs/kv-events.md describes the model.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from itertools import count, islice, takewhile
 from typing import Any, NamedTuple, Protocol
 
@@ -37,51 +25,38 @@ from proxy.core.reach import mask_of, prefix_reach, specific
 _MASK64 = (1 << 64) - 1
 
 # One replica's cache: an H100-80GB serving the recipe's 1.5B model holds ~140k blocks of 16
-# tokens (bench/simulator.py sizes it). 2**18 = 262,144 keys leaves room for a 2x larger cache;
-# measured 88 bytes per key (bench/run_kv_events_micro.py), ~23 MB per replica when full.
+# tokens (bench/simulator.py sizes it); 2**18 keys leaves room for a 2x larger cache.
 DEFAULT_VIEW_CAPACITY = 262_144
-# Events lag routing: a request's blocks are reported once vLLM schedules it, while the rest of its
-# GRPO group arrives within milliseconds. Blocks the proxy just sent to a replica therefore count
-# as held until the replica reports them stored (or removed), or for at most PENDING_TTL_S: the
-# time a request may wait in a busy replica's queue before it is scheduled. The recipe's
-# rollouts take ~4-30 s end to end; 30 s bounds the staleness of a claim nothing confirmed.
+# Events lag routing: blocks just sent to a replica count as held until it reports them, or for
+# at most the time a request may wait in a busy replica's queue; the recipe's rollouts take
+# ~4-30 s end to end, so 30 s bounds the staleness of a claim nothing confirmed.
 PENDING_TTL_S = 30.0
 # Blocks awaiting confirmation per replica: a few hundred requests in flight x up to 256 blocks.
 MAX_PENDING_BLOCKS = 65_536
 # Predictions awaiting the replica's answer (one per routed request in flight). TRL keeps at most
 # a few hundred rollouts in flight; 65,536 means only a leak could ever push one out.
 MAX_PENDING_PREDICTIONS = 65_536
-
-# Requests whose blocks a view counts as pinned (routed there, not yet answered). TRL keeps a few
-# hundred rollouts in flight over the whole fleet; an answer that never comes back (a streamed or
-# failed request, whose decision is never checked) is forgotten oldest first past this bound.
+# Requests whose blocks a view counts as pinned (routed there, not yet answered): a few hundred
+# in flight fleet-wide; an answer that never comes back is forgotten oldest first past this.
 MAX_HELD_REQUESTS = 4_096
-# Tokens a request is expected to generate, hence reserves on admission (vLLM and the simulator
-# allocate the whole context): the cost model's figure, read from it (proxy/core/policy.py,
-# CostModel: where the 600 is sized), so the eviction horizon and the memory price assume the
-# same request.
+# Tokens a request reserves on admission until answers say otherwise: the cost model's figure
+# (CostModel says how it is sized), so the eviction horizon and the memory price agree.
 EXPECTED_OUTPUT_TOKENS = int(CostModel().expected_output_tokens)
-# ... until the replicas' answers say what they generate: the horizon then reserves the mean
-# completion of the last OUTPUT_WINDOW answers (``PreciseMatcher.observe_output``). What a
-# request really reserves is its own output (the simulator allocates exactly that at admission;
-# vLLM allocates it step by step, so the pool a queue finds holds the running requests' outputs
-# so far), never the cost model's 600 when the run's requests generate far less (the tight
-# benchmark's answers: mean 266 tokens, median 253, max 500 on seed 0; bench/results/
-# kv_events.md). 256 answers: a GRPO step's worth of rollouts (TRL's batch x group), so the mean
-# follows the policy's answer length from one step to the next.
+# Then the mean completion of the last OUTPUT_WINDOW answers (``PreciseMatcher.observe_output``):
+# what a request really reserves is its own output. 256: a GRPO step's rollouts (TRL's batch x
+# group), so the mean follows the policy's answer length from one step to the next.
 OUTPUT_WINDOW = 256
-# The longest answer counted: 131,072 tokens, the longest context of the models served today
-# (an answer cannot be longer than its context); beyond it a replica's figure is nonsense.
+# The longest answer counted: the longest context of the models served (131,072 tokens); beyond
+# it a replica's figure is nonsense.
 MAX_OUTPUT_TOKENS = 131_072
 
 STORED = "BlockStored"
 REMOVED = "BlockRemoved"
 CLEARED = "AllBlocksCleared"
-# The proxy's hashes are taken to differ from a replica's once this many blocks it predicted there
-# expired unreported while none was ever reported (the check that works on adapter and non-root
-# blocks, see ``ReplicaView.hashes_match``). With equal hashes a routed prompt's new blocks are
-# reported stored within one scheduler step (milliseconds), so only requests that all failed
-# before being scheduled could leave 256 -- 16 prompts of 16 blocks -- unconfirmed otherwise.
+# The proxy's hashes are taken to differ from a replica's once this many blocks predicted there
+# expired unreported while none was ever reported (``ReplicaView.hashes_match``). With equal
+# hashes new blocks are reported within one scheduler step, so only 16 prompts of 16 blocks that
+# all failed before being scheduled could leave 256 unconfirmed.
 HASH_REFUTE_AFTER_BLOCKS = 256
 # Only blocks in accelerator memory serve prefix hits for routing; vLLM tags them "GPU" (or omits
 # the field on older versions). Offloaded tiers ("CPU", connectors) are ignored.
@@ -93,9 +68,8 @@ class MalformedBatch(ValueError):
 
 
 class KvEvent(NamedTuple):
-    """One parsed event. A named tuple built by ``tuple.__new__``, not a frozen dataclass: ~130
-    are built per routed request on the tight benchmark, and a dataclass's __init__ would be
-    most of the parse per event; ``tuple.__new__`` is a fraction of it."""
+    """One parsed event; a named tuple built by ``tuple.__new__`` (~130 per routed request under
+    memory pressure, so its construction cost matters)."""
 
     kind: str  # STORED, REMOVED or CLEARED
     keys: tuple[int, ...] = ()
@@ -130,9 +104,8 @@ def _block_key(value: Any) -> int:
 
 
 def _keys(value: Any) -> tuple[int, ...]:
-    # vLLM sends one BlockRemoved per evicted block: ~140 per routed request on the tight
-    # benchmark. Checking that single key inline halves the parse (measured 8 -> 4 us per event
-    # on the shared machine under load); anything else takes the general path.
+    # vLLM sends one BlockRemoved per evicted block (~140 per routed request under memory
+    # pressure): the single key is checked inline, anything else takes the general path.
     if type(value) is list and len(value) == 1:
         key = value[0]
         if type(key) is int and 0 <= key <= _MASK64:
@@ -224,145 +197,6 @@ def parse_batch(payload: Any) -> list[KvEvent]:
     return [e for e in parsed if e is not None]
 
 
-# -- the per-key loops --------------------------------------------------------------------------
-# Each routed request on the memory-tight benchmark pins and frees ~250 prompt keys on its
-# replica's view and causes ~280 stored / removed keys there: these loops are most of the events
-# path's cost per request.
-
-
-def _store(
-    blocks: dict[int, None],
-    pending: OrderedDict[int, float],
-    freed: dict[int, int],
-    pins: Counter[int],
-    tick: Iterator[int],
-    keys: Sequence[int],
-) -> int:
-    """One BlockStored: the keys are cached; those nobody pins count as freed when stored (a
-    completion's generated blocks, another client's). Returns how many were pending."""
-    confirmed = 0
-    for key in keys:
-        blocks[key] = None  # idempotent: vLLM's "full" report mode re-reports hits
-        if pending and pending.pop(key, None) is not None:
-            confirmed += 1
-        if key not in pins and key not in freed:
-            freed[key] = next(tick)
-    return confirmed
-
-
-def _remove(
-    blocks: dict[int, None],
-    pending: OrderedDict[int, float],
-    freed: dict[int, int],
-    keys: Sequence[int],
-) -> int:
-    """One BlockRemoved (evicted). Returns how many were pending."""
-    confirmed = 0
-    for key in keys:
-        blocks.pop(key, None)
-        freed.pop(key, None)
-        if pending and pending.pop(key, None) is not None:
-            confirmed += 1
-    return confirmed
-
-
-def _apply(
-    blocks: dict[int, None],
-    pending: OrderedDict[int, float],
-    freed: dict[int, int],
-    pins: Counter[int],
-    tick: Iterator[int],
-    events: Sequence[BlockEvent],
-    start: int,
-) -> tuple[int, int]:
-    """A batch's events from ``start`` on, up to the first that is neither BlockStored nor
-    BlockRemoved (AllBlocksCleared: the view resets its containers, then calls again after it).
-    Returns (how many keys were pending, where it stopped: ``len(events)`` when at the end).
-    One call per batch: the tight benchmark's batches carry ~140 one-key BlockRemoved events,
-    one C call each before (bench/results/kv_events_cpu_r9.md)."""
-    if start < 0:
-        raise ValueError("view_apply: start must be >= 0")
-    confirmed = 0
-    for i in range(start, len(events)):
-        event = events[i]
-        kind = event.kind
-        if kind == STORED:
-            confirmed += _store(blocks, pending, freed, pins, tick, event.keys)
-        elif kind == REMOVED:
-            confirmed += _remove(blocks, pending, freed, event.keys)
-        else:
-            return confirmed, i
-    return confirmed, max(start, len(events))
-
-
-def _hold(
-    pins: Counter[int], freed: dict[int, int], blocks: dict[int, None], keys: Sequence[int]
-) -> int:
-    """A routed request pins ``keys`` (none of them is evictable while it runs). Returns how
-    many it must allocate (not cached)."""
-    new = 0
-    for key in keys:
-        pins[key] += 1
-        freed.pop(key, None)
-        if key not in blocks:
-            new += 1
-    return new
-
-
-def _release(
-    pins: Counter[int],
-    freed: dict[int, int],
-    blocks: dict[int, None],
-    tick: Iterator[int],
-    keys: Sequence[int],
-) -> None:
-    """A request's answer came back: its keys nobody else pins go to the LRU tail, last key
-    first (its first block is evicted last), as vLLM frees them."""
-    for key in reversed(keys):
-        n = pins[key] - 1
-        if n > 0:
-            pins[key] = n
-            continue
-        pins.pop(key, None)
-        if key in blocks:
-            freed.pop(key, None)
-            freed[key] = next(tick)
-
-
-def _expect(
-    blocks: dict[int, None], pending: OrderedDict[int, float], keys: Sequence[int], deadline: float
-) -> None:
-    """``keys`` just sent: the ones not cached are pending until ``deadline``, newest last."""
-    for key in keys:
-        if key in blocks:
-            continue
-        pending[key] = deadline
-        pending.move_to_end(key)
-
-
-def _prefix(
-    blocks: dict[int, None],
-    pending: OrderedDict[int, float],
-    freed: dict[int, int],
-    keys: Sequence[int],
-    doomed: int,
-) -> int:
-    """How many leading ``keys`` are cached or pending, stopping at a cached one freed up to
-    the stamp ``doomed`` (-1: none)."""
-    # The held run first at C speed (takewhile), then blocks just sent, only in ``pending``.
-    n = len(list(takewhile(blocks.__contains__, keys)))
-    if doomed >= 0:
-        for i, stamp in enumerate(map(freed.get, islice(keys, n))):
-            if stamp is not None and stamp <= doomed:
-                return i
-    if pending:
-        for key in islice(keys, n, None):
-            if key not in blocks and key not in pending:
-                break
-            n += 1
-    return n
-
-
 class ReplicaView:
     """One replica's cached block keys, and whether they are the whole truth.
 
@@ -379,18 +213,11 @@ class ReplicaView:
         self.blocks: dict[int, None] = {}
         # Sent here, not yet reported stored: key -> deadline (see PENDING_TTL_S).
         self.pending: OrderedDict[int, float] = OrderedDict()
-        # The eviction model (``doomed``): which cached blocks the replica may evict, least
-        # recently freed first, and which ones requests routed here pin. vLLM and the simulator
-        # free a finished request's blocks to the tail of an LRU queue (its last block first)
-        # and evict from its head when an admission needs room; events report stores and
-        # evictions, not frees, so the proxy marks a request's prompt blocks freed when its
-        # answer comes back (``release``). Stored blocks no routed request pins (a completion's
-        # generated blocks, another client's) count as freed when stored.
-        # key -> when it was freed (increasing along the order; only the order matters). A
-        # plain dict keeps insertion order as the OrderedDict did (pop + set moves a key to the
-        # end) at half the cost per pin / free: the head is read by ``doomed`` only, whose
-        # islice skips the deleted slots evictions leave there at C speed until the next resize
-        # compacts them.
+        # The eviction model (``doomed``): vLLM frees a finished request's blocks to the tail of
+        # an LRU queue (its last block first) and evicts from its head. Events report stores and
+        # evictions, not frees, so a request's prompt blocks are marked freed when its answer
+        # comes back (``release``). key -> freed stamp (only the order matters); a plain dict
+        # keeps insertion order at half an OrderedDict's cost per pin / free.
         self.freed: dict[int, int] = {}
         self._tick = count()
         self.pins: Counter[int] = Counter()  # key -> requests in flight here that hold it
@@ -406,21 +233,12 @@ class ReplicaView:
         self.resyncs = 0
         self.dropped = 0  # times the view stopped being trusted
         self.overflow = 0  # keys forgotten to respect ``capacity``
-        # Whether the proxy's exact hashes reproduce this replica's keys: None until known. A
-        # replica whose keys differ (wrong PROXY_VLLM_HASH_SEED or algorithm) would never match:
-        # it is routed on the index. Known from any of
-        # - a base-model root block, recomputed from its event alone (``root_block``): confirms
-        #   or refutes;
-        # - a block the proxy predicted here (``expect``: its own key for a block it sent) being
-        #   reported stored or removed: confirms, on any block -- an adapter's, a salted one, a
-        #   non-root one (equal 64-bit keys from different hash functions or seeds: 2**-64);
-        # - HASH_REFUTE_AFTER_BLOCKS predicted blocks expiring unreported, none ever reported:
-        #   refutes, on any block.
-        # Why adapter and non-root blocks cannot be recomputed from their event instead: vLLM
-        # hashes an adapter block with ("lora", name, path) but its event carries the name only
-        # (``lora_name``, untagged ``extra_keys``), and a non-root block from its parent's full
-        # 32-byte digest while the event carries the parent's low 64 bits (tests/unit/
-        # test_kv_events_edge.py shows both).
+        # Whether the proxy's exact hashes reproduce this replica's keys (None: unknown; False:
+        # wrong PROXY_VLLM_HASH_SEED or algorithm, routed on the index). A root block recomputed
+        # from its event (``root_block``) confirms or refutes; a predicted block reported back
+        # confirms; HASH_REFUTE_AFTER_BLOCKS predicted blocks expiring unreported, none ever
+        # reported, refute. Adapter and non-root blocks cannot be recomputed from their events
+        # (docs/kv-events.md, "Hash check").
         self.hashes_match: bool | None = None
         self.predictions_confirmed = 0  # predicted blocks the replica reported
         self.predictions_expired = 0  # predicted blocks that expired unreported
@@ -492,30 +310,39 @@ class ReplicaView:
             self.malformed += 1
             self.drop()
             return True
+        # The per-key loops are most of the events path's cost per request.
         blocks, pending, freed, pins, tick = (
             self.blocks, self.pending, self.freed, self.pins, self._tick
         )  # fmt: skip
         confirmed = 0
         self.events += len(events)
-        total = len(events)
-        start = 0
-        while True:
-            got, stop = _apply(blocks, pending, freed, pins, tick, events, start)
-            confirmed += got
-            if stop >= total:
-                break
-            # events[stop] is an AllBlocksCleared (or anything else that is not a store or a
-            # removal): the cache is empty from there on.
-            self._resync()
-            blocks, pending, freed = self.blocks, self.pending, self.freed
-            start = stop + 1
+        for event in events:
+            kind = event.kind
+            if kind == STORED:
+                # Keys nobody pins (a completion's generated blocks, another client's) count as
+                # freed when stored.
+                for key in event.keys:
+                    blocks[key] = None  # idempotent: vLLM's "full" report mode re-reports hits
+                    if pending and pending.pop(key, None) is not None:
+                        confirmed += 1
+                    if key not in pins and key not in freed:
+                        freed[key] = next(tick)
+            elif kind == REMOVED:
+                for key in event.keys:
+                    blocks.pop(key, None)
+                    freed.pop(key, None)
+                    if pending and pending.pop(key, None) is not None:
+                        confirmed += 1
+            else:  # AllBlocksCleared: the cache is empty from here on
+                self._resync()
+                blocks, pending, freed = self.blocks, self.pending, self.freed
         if confirmed:
             self.predictions_confirmed += confirmed
             if self.hashes_match is None:
                 self.hashes_match = True
         overflow = len(blocks) - self.capacity
         if overflow > 0:
-            for key in list(_first(blocks, overflow)):
+            for key in list(islice(blocks, overflow)):
                 del blocks[key]
                 freed.pop(key, None)
             self.overflow += overflow
@@ -548,15 +375,25 @@ class ReplicaView:
 
     def expect(self, keys: Sequence[int], now: float) -> None:
         """``keys`` were just sent here: count them as held until reported (PENDING_TTL_S)."""
-        pending = self.pending
-        _expect(self.blocks, pending, keys, now + PENDING_TTL_S)
+        pending, blocks = self.pending, self.blocks
+        deadline = now + PENDING_TTL_S
+        for key in keys:
+            if key not in blocks:
+                pending[key] = deadline
+                pending.move_to_end(key)
         while len(pending) > MAX_PENDING_BLOCKS:
             pending.popitem(last=False)
 
     def hold(self, token: int, keys: Sequence[int], now: float = 0.0) -> None:
         """A request with prompt blocks ``keys`` was just routed here: they are pinned (not
         evictable) until ``release(token)``; the ones not cached must be allocated."""
-        new = _hold(self.pins, self.freed, self.blocks, keys)
+        pins, freed, blocks = self.pins, self.freed, self.blocks
+        new = 0
+        for key in keys:
+            pins[key] += 1
+            freed.pop(key, None)
+            if key not in blocks:
+                new += 1
         held = self.held
         held[token] = (keys, new, now + PENDING_TTL_S)
         while len(held) > MAX_HELD_REQUESTS:
@@ -568,24 +405,28 @@ class ReplicaView:
         entry = self.held.pop(token, None)
         if entry is None:
             return
-        _release(self.pins, self.freed, self.blocks, self._tick, entry[0])
+        pins, freed, blocks, tick = self.pins, self.freed, self.blocks, self._tick
+        for key in reversed(entry[0]):
+            n = pins[key] - 1
+            if n > 0:
+                pins[key] = n
+                continue
+            pins.pop(key, None)
+            if key in blocks:
+                freed.pop(key, None)
+                freed[key] = next(tick)
 
     def doomed(self, capacity_blocks: int, output_blocks: int, now: float = 0.0) -> int:
         """The cached blocks the replica will have evicted before a request routed here now is
-        admitted, by its own rules: admission is FCFS and reserves a request's whole context
-        (the prompt blocks it does not hold and ``output_blocks``); once the free pool is
-        spent, each block allocated evicts the least recently freed unpinned block. So the
-        requests routed here and not yet admitted (their last prompt block not yet reported
-        stored) evict ``their allocations - free blocks`` from the head of ``freed`` before
-        this one is admitted. Free blocks: the capacity less what is cached and the output
-        reservations of the admitted requests. A request still not admitted PENDING_TTL_S after
-        it was routed no longer counts as waiting: its answer may never come back to release it
-        (retried elsewhere, the client gone), and a queue that long is beyond what the views'
-        pending blocks assume too.
+        admitted, by its own rules: FCFS admission reserves a request's whole context (prompt
+        blocks not held + ``output_blocks``); once the free pool is spent, each allocation evicts
+        the least recently freed unpinned block. Requests routed here and not yet admitted (last
+        prompt block not yet reported) evict ``their allocations - free blocks`` from the head
+        of ``freed``. One still waiting PENDING_TTL_S after routing no longer counts: its answer
+        may never come back to release it.
 
-        Returns the freed-stamp up to which blocks are doomed (``freed``'s values), or -1 for
-        none: when the allocations fit (the usual case on a cache that holds what is in
-        flight) or the capacity is unknown (0)."""
+        Returns the freed-stamp up to which blocks are doomed, or -1 for none (the allocations
+        fit, or the capacity is unknown: 0)."""
         freed = self.freed
         if capacity_blocks <= 0 or not freed:
             return -1
@@ -625,16 +466,18 @@ class ReplicaView:
                 and self.predictions_expired >= HASH_REFUTE_AFTER_BLOCKS
             ):
                 self.hashes_match = False
-        return _prefix(blocks, pending, self.freed, keys, doomed)
-
-
-def _first(blocks: dict[int, None], n: int) -> list[int]:
-    out: list[int] = []
-    for key in blocks:
-        if len(out) == n:
-            break
-        out.append(key)
-    return out
+        # The held run first at C speed (takewhile), then blocks just sent, only in ``pending``.
+        n = len(list(takewhile(blocks.__contains__, keys)))
+        if doomed >= 0:
+            for i, stamp in enumerate(map(self.freed.get, islice(keys, n))):
+                if stamp is not None and stamp <= doomed:
+                    return i
+        if pending:
+            for key in islice(keys, n, None):
+                if key not in blocks and key not in pending:
+                    break
+                n += 1
+        return n
 
 
 class PreciseMatcher:
@@ -771,28 +614,15 @@ class PreciseMatcher:
         views_reach: dict[int, int],
         views_common: int,
     ) -> tuple[dict[int, int], int] | None:
-        """Where the index remembers the request's rollout (the replica it credits with the
-        longest specific prefix, its home) and the views name no replica holding more of the
+        """Where the index remembers the request's rollout (its home: the replica it credits
+        with the longest specific prefix) and the views name no replica holding more of the
         prompt than that home will at admission: when the views leave nothing specific anywhere,
         the index's own scoring; otherwise the views' reach with the home credited the index's.
-        None: the views' answer stands.
+        None: the views' answer stands. The prediction recorded stays the views' own.
 
-        Why. The views then say the request's own blocks are gone everywhere, so it prefills
-        the same wherever it goes; what still differs is the future. The index remembers the
-        replica this rollout (or its group) last ran on: sending it back keeps each replica's
-        cache working on its own rollouts, where placing it by load moves it, and a moved
-        rollout's next turns and its group's remaining rollouts rebuild their history in a
-        second cache while the first still holds what survived of it. On the tight workload
-        (bench/results/kv_events.md) "unmatched" decisions fell from 11-15% to 2-5%
-        (the index's own share) and events stopped losing hits at 4 and 16 replicas. The
-        prediction recorded for the replica's answer stays the views' own.
-
-        The same holds when the views show the rollout's history partly evicted at its home
-        (or about to be, ``ReplicaView.doomed``) but no other replica holding more: the request
-        prefills no less elsewhere, so moving it by load only moves the rollout. On tight x4 the
-        decisions where events and the index differed were mostly these (bench/results/
-        kv_events.md). A replica the views show holding more than the home does (a
-        group sibling's blocks, another client's) still draws the request."""
+        Why: the request then prefills the same wherever it goes, and sending it home keeps
+        each cache on its own rollouts instead of rebuilding a moved rollout's history in a
+        second cache (docs/kv-events.md, "When the views find nothing specific")."""
         # Runs for every request with a live view: the index's walk (PrefixIndex.reach).
         reach, common = index.reach(values, len(values), replicas)
         best = max(reach.values(), default=0)

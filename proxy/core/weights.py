@@ -210,9 +210,12 @@ class WeightBook:
 
     def lost(self, w: ReplicaWeights, reason: str) -> None:
         """The replica was ejected (unreachable): it may have restarted with its launch weights
-        and without its seat. Stale until it completes a sync whole."""
+        and without its seat. Stale until it completes a sync whole: the steps it applied in
+        the sync under way no longer count (a restart during a finish that waits on another
+        replica undoes them, and that finish must not make it current again)."""
         if self.active and w.seat is not None:
             w.stale = f"{reason}; it may have restarted: weights unknown until it completes a sync"
+            w.steps = set()
 
     def admit(self, w: ReplicaWeights) -> None:
         """A replica joins the fleet: without a seat in a formed group it cannot serve."""

@@ -33,6 +33,8 @@ DASHBOARD = DEPLOY / "grafana" / "rollout-proxy-dashboard.json"
 # The proxy's metric contract (names as exposed; histograms also expose _bucket/_sum/_count).
 CONTRACT_METRICS: dict[str, str] = {
     "rollout_proxy_requests_total": "counter",
+    "rollout_proxy_replica_weight_version": "gauge",
+    "rollout_proxy_replica_weights_stale": "gauge",
     "rollout_proxy_proxy_seconds": "histogram",
     "rollout_proxy_upstream_seconds": "histogram",
     "rollout_proxy_inflight": "gauge",

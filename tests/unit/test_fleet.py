@@ -89,7 +89,30 @@ def test_adopt_on_proxy_restart() -> None:
     )
     assert fleet.desired_adapters == {"v1": "/p1", "v2": "/p2"}
     assert conflicts == ["v1"]
-    assert fleet.desired_paused is True
+
+
+@pytest.mark.parametrize(
+    ("answers", "desired"),
+    [
+        ({0: True, 1: True, 2: True}, True),  # TRL paused the fleet: every replica says so
+        # A resume that reached only some replicas (one wedged through it): resume the rest too,
+        # rather than hold every rollout until a sync that needs rollouts to come.
+        ({0: False, 1: True, 2: False}, False),
+        ({0: True, 1: True, 2: False}, False),
+        ({0: False, 1: False, 2: False}, False),
+        ({0: True, 1: None, 2: True}, True),  # unknown answers say nothing either way
+        ({0: False, 1: None, 2: None}, False),
+        ({0: None, 1: None, 2: None}, False),  # nothing known: not paused
+        ({}, False),
+    ],
+)
+def test_adopt_pauses_only_a_unanimously_paused_fleet(
+    answers: dict[int, bool | None], desired: bool
+) -> None:
+    fleet = Fleet(["http://a", "http://b", "http://c"])
+    fleet.desired_paused = not desired  # adopt decides it, whatever it was
+    fleet.adopt({}, answers)
+    assert fleet.desired_paused is desired
 
 
 def test_membership_and_versions() -> None:

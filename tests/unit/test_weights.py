@@ -149,6 +149,21 @@ def test_a_replica_that_missed_a_sync_is_stale_even_without_a_failure() -> None:
     assert members[0].ok and "fleet is at 1" in (members[1].stale or "")
 
 
+def test_a_replica_lost_during_a_sync_does_not_count_as_completing_it() -> None:
+    book, members = _formed(3)
+    book.begin(members.values())
+    for step in ("start", "update", "finish"):
+        for i in (1, 2):
+            book.applied(members[i], step)
+    # The finish still waits on replica 0 when 1 is ejected (it may have restarted with its
+    # launch weights): the finish that follows leaves it stale.
+    book.lost(members[1], "ejected (connection refused)")
+    book.failed(members[0], "finish", "timeout")
+    assert book.finish(members, book.next_label(None)) == [2]
+    assert not members[1].ok and "may have restarted" in (members[1].stale or "")
+    assert members[2].ok and book.seq == 1
+
+
 def test_trainer_given_label_is_kept() -> None:
     book, members = _formed(1)
     book.begin(members.values())
