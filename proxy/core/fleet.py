@@ -243,6 +243,12 @@ class Fleet:
 
     def eligible(self, model: str) -> list[Replica]:
         """The replicas that may take a new request for ``model`` (:meth:`can_serve`)."""
+        if self.is_base_model(model):
+            # can_serve for the base model, in one pass: this runs for every routed request,
+            # and a rollout of a merged-weights run always asks for the base model.
+            return [
+                r for r in self.replicas if r.status is Status.READY and r.weights.stale is None
+            ]
         return [r for r in self.replicas if self.can_serve(r, model)]
 
     def serves_anything(self, replica: Replica) -> bool:
