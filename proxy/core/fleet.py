@@ -307,6 +307,9 @@ class Fleet:
         replica = self.replicas[index]
         replica.failures += 1
         replica.last_error = error
+        # In a weight-transfer group one failure is enough to distrust its weights: a replica
+        # can restart (launch weights, no seat) between two probes, before it is ever ejected.
+        self.weights.lost(replica.weights, f"unreachable ({error})")
         if replica.status in (Status.READY, Status.RECONCILING, Status.PENDING) and (
             replica.failures >= self.eject_after
         ):
@@ -315,7 +318,6 @@ class Fleet:
             replica.needs_reconcile = True
             # It may restart before it is seen again: what it had applied is no longer known.
             replica.paused = None
-            self.weights.lost(replica.weights, f"ejected ({error})")
             return was_serving
         return False
 
