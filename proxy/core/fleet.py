@@ -243,6 +243,12 @@ class Fleet:
 
     def eligible(self, model: str) -> list[Replica]:
         """The replicas that may take a new request for ``model`` (:meth:`can_serve`)."""
+        if self.is_base_model(model):
+            # can_serve for the base model, in one pass: this runs for every routed request,
+            # and a rollout of a merged-weights run always asks for the base model.
+            return [
+                r for r in self.replicas if r.status is Status.READY and r.weights.stale is None
+            ]
         return [r for r in self.replicas if self.can_serve(r, model)]
 
     def serves_anything(self, replica: Replica) -> bool:
@@ -301,6 +307,9 @@ class Fleet:
         replica = self.replicas[index]
         replica.failures += 1
         replica.last_error = error
+        # In a weight-transfer group one failure is enough to distrust its weights: a replica
+        # can restart (launch weights, no seat) between two probes, before it is ever ejected.
+        self.weights.lost(replica.weights, f"unreachable ({error})")
         if replica.status in (Status.READY, Status.RECONCILING, Status.PENDING) and (
             replica.failures >= self.eject_after
         ):
@@ -309,7 +318,6 @@ class Fleet:
             replica.needs_reconcile = True
             # It may restart before it is seen again: what it had applied is no longer known.
             replica.paused = None
-            self.weights.lost(replica.weights, f"ejected ({error})")
             return was_serving
         return False
 

@@ -142,7 +142,6 @@ class Router:
         candidates = []
         for r, load in loads:
             d = reach[r]
-            matched = d - common if d > common else 0
             # With KV events, prefill is priced from what this replica reports holding (its
             # reach): a preamble common because it branches (rule 2) may have been evicted
             # there, and is then prefilled again (kv_events.md, section 2). The index cannot see
@@ -150,9 +149,13 @@ class Router:
             # new prompts sharing a system prompt over the fleet instead of sending each one
             # after the first (priced as missing where never sent, 12 groups in a row went to
             # one of 2 idle replicas: test_group_of_eight_lands_on_one_replica...).
-            held = d if precise is not None or d > common else common
-            new = length - held * bs
-            candidates.append(Candidate(r, load, matched, new, length, capacity.get(r, 0)))
+            if d > common:
+                matched, held = d - common, d
+            else:
+                matched, held = 0, d if precise is not None else common
+            candidates.append(
+                Candidate(r, load, matched, length - held * bs, length, capacity.get(r, 0))
+            )
         decision = policy.choose(candidates)
         index.record(blocks, decision.replica, values)
         # The policy's decision is a fresh object of this request's: completed in place.

@@ -195,8 +195,8 @@ class WeightBook:
         return whole
 
     def lost(self, w: ReplicaWeights, reason: str) -> None:
-        """The replica was ejected (unreachable): it may have restarted with its launch weights
-        and without its seat. Stale until it completes a sync whole: the steps it applied in
+        """The replica failed a probe or a connection: it may have restarted with its launch
+        weights and without its seat. Stale until it completes a sync whole: the steps it applied in
         the sync under way no longer count (a restart during a finish that waits on another
         replica undoes them, and that finish must not make it current again)."""
         if self.active and w.seat is not None:

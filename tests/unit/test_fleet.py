@@ -297,3 +297,25 @@ def test_recent_hit_rate(scrapes: list[tuple[float, float]], rate: float | None)
     for queries, hits in scrapes:
         fleet.record_cache(0, queries, hits)
     assert fleet.replicas[0].hit_rate == (pytest.approx(rate) if rate is not None else None)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_eligible_is_can_serve_of_each_replica(seed: int) -> None:
+    """``eligible`` (with its one-pass form for the base model) picks exactly the replicas
+    ``can_serve`` accepts, over mixed statuses, stale weights, adapters and pause states."""
+    import random
+
+    rng = random.Random(seed)
+    fleet = ready_fleet(6)
+    fleet.published("a", "/a/1", [0, 1, 2, 3])
+    fleet.desired_paused = rng.choice([True, False])
+    for r in fleet.replicas:
+        r.status = rng.choice(list(Status))
+        r.weights.stale = rng.choice([None, None, "behind the fleet's sync"])
+        r.failures = rng.choice([0, 0, 1])
+        r.paused = rng.choice([None, True, False])
+        if rng.random() < 0.3:
+            r.adapters["a"] = "/a/0"
+    for model in ("base", "", "a", "missing"):
+        expected = [r for r in fleet.replicas if fleet.can_serve(r, model)]
+        assert fleet.eligible(model) == expected

@@ -122,3 +122,47 @@ def test_recording_a_known_chain_again_adds_only_what_is_new() -> None:
     values = index.lookup([*chain, 15])
     assert values[3] & HAS_CHILD and not values[3] & BRANCHING
     assert [index.holders(v) for v in values] == [0b1111, 0b1111, 0b1011, 0b1011, 0b1000]
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_reach_of_looked_up_values_is_the_walk_of_their_decoding(seed: int) -> None:
+    """``PrefixIndex.reach`` (with its shortcut for a chain every eligible replica holds) is
+    reach.py's walk over the holders and branching flags decoded block by block."""
+    import random
+
+    from proxy.core.prefix_index import _BRANCH_BITS, BRANCHING
+    from proxy.core.reach import mask_of, prefix_reach
+
+    rng = random.Random(seed)
+    index = PrefixIndex(capacity=4096, max_replicas=4)
+    chains = [[rng.randrange(1 << 60) for _ in range(rng.randint(1, 12))] for _ in range(4)]
+    for _ in range(rng.randint(1, 12)):
+        chain = rng.choice(chains)
+        cut = rng.randint(1, len(chain))
+        tail = [rng.randrange(1 << 60) for _ in range(rng.randint(0, 3))]
+        index.record(chain[:cut] + tail, rng.randrange(4))
+        if rng.random() < 0.1:
+            index.forget_replica(rng.randrange(4))
+    for chain in chains:
+        values = index.lookup(chain)
+        replicas = sorted(rng.sample(range(4), rng.randint(1, 4)))
+        count = rng.randint(0, len(values))
+        eligible = mask_of(replicas)
+        held = [index.holders(v) & eligible for v in values[:count]]
+        branching = [v & _BRANCH_BITS == BRANCHING for v in values[:count]]
+        assert index.reach(values, count, replicas) == prefix_reach(
+            held, branching, eligible, replicas
+        )
+
+
+def test_a_block_whose_holders_are_all_forgotten_is_still_found() -> None:
+    """A stored value keeps its link or request-end bit when its holders are cleared, so it is
+    never mistaken for a missing block (``lookup`` tells a miss by a falsy value)."""
+    index = PrefixIndex(capacity=64, max_replicas=2)
+    index.record([1, 2, 3], 0)
+    index.record([1], 1)
+    index.forget_replica(0)
+    index.forget_replica(1)
+    values = index.lookup([1, 2, 3])
+    assert len(values) == 3
+    assert [index.holders(v) for v in values] == [0, 0, 0]

@@ -203,3 +203,17 @@ def test_describe_and_seat_ranks() -> None:
         "1": {"in_group": True, "ranks": [2, 2], "seq": 0, "version": None, "stale": None},
     }
     assert Seat(0, 3, 2).ranks == range(3, 5)
+
+
+def test_one_failed_probe_in_a_group_distrusts_the_weights_before_any_ejection() -> None:
+    # A replica can restart between two probes (launch weights, no seat) and answer the next
+    # one: waiting for the ejection (eject_after failures) would route to it meanwhile.
+    fleet = Fleet(["http://a", "http://b"], eject_after=2)
+    for r in fleet.replicas:
+        r.status = Status.READY
+    group, total = seats([(0, 1), (1, 1)])
+    fleet.weights.form(fleet.weight_states(), group, total, None)
+    assert fleet.record_failure(1, "read timeout") is False  # not ejected yet
+    assert fleet.replicas[1].status is Status.READY
+    assert "may have restarted" in (fleet.replicas[1].weights.stale or "")
+    assert [r.index for r in fleet.eligible("")] == [0]
