@@ -5,9 +5,10 @@ vLLM ranks each worker ``rank_offset + dp_rank * world_size + rank`` in the trai
 N replicas form ONE group when the proxy reports the sum of their world sizes and gives replica
 i the offset ``base + (sizes before it)`` (:func:`seats`). Each replica's weights are counted in
 syncs (``seq``, 0: launch weights); a replica serves only while it holds the fleet's weights
-(``stale is None``). A failed step, an ejection (it may have restarted without its seat) or a
-finish without a complete update makes it stale until it completes a sync whole (every sync
-sends every parameter); a replica added after the group formed stays stale until a new group.
+(``stale is None``). A failed step, a failed probe or connection (it may have restarted without
+its seat, even before an ejection) or a finish without a complete update makes it stale until it
+completes a sync whole (every sync sends every parameter); a replica added after the group
+formed stays stale until a new group.
 Pure: no I/O; the async edge is proxy/weight_sync.py.
 """
 
