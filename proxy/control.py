@@ -41,13 +41,21 @@ class Reply:
     outcomes: list[Outcome] = field(default_factory=list)
 
 
-def parse_adapter_body(raw: bytes, need_path: bool) -> tuple[dict[str, Any], str, str | None]:
+def parse_object(raw: bytes, *, optional: bool = False) -> dict[str, Any]:
+    """A control call's JSON object body (``optional``: an empty body is ``{}``)."""
+    if optional and not raw.strip():
+        return {}
     try:
         body = json.loads(raw)
     except ValueError as exc:
         raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
+    return body
+
+
+def parse_adapter_body(raw: bytes, need_path: bool) -> tuple[dict[str, Any], str, str | None]:
+    body = parse_object(raw)
     name = body.get("lora_name")
     if not isinstance(name, str) or not name:
         raise InvalidRequest("'lora_name' must be a non-empty string", param="lora_name")

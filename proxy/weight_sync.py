@@ -1,30 +1,26 @@
-"""TRL's merged-weight sync (vLLM weight transfer) through the proxy to every replica.
+"""TRL's merged-weight sync (vLLM weight transfer) through the proxy to every replica
+(docs/merged-weights.md).
 
 The replicas form one process group with the trainer (rank 0): ``/get_world_size`` answers the
 sum of the replicas' world sizes, ``/init_weight_transfer_engine`` gives each replica its own
-``rank_offset`` (proxy/core/weights.py ``seats``), and ``/start_weight_update``,
-``/update_weights`` and ``/finish_weight_update`` go to every seated replica at once. The tensors
-travel from the trainer to each replica directly; this module carries only the HTTP.
-
-Every answer lists each replica's outcome. 200 only when every seated replica applied the call;
-otherwise an OpenAI-shaped error (504 when a replica timed out, else 502; 409 for an update with
-no group formed here) whose ``details`` name each replica and its reason, and the replicas that
-failed stop serving (their weights are not the fleet's) until a sync completes on them whole.
-Each replica call is bounded by PROXY_CONTROL_TIMEOUT_S, so no answer waits longer than that.
-Calls are serialised with the other control calls (ControlPlane.lock).
+``rank_offset`` (proxy/core/weights.py ``seats``), and start/update/finish go to every seated
+replica at once; the tensors travel from the trainer to each replica directly. 200 only when
+every seated replica applied the call; otherwise an OpenAI-shaped error (504 when a replica timed
+out, else 502; 409 for an update with no group formed here) naming each replica's outcome, and
+the replicas that failed take no traffic until a sync completes on them whole. Each replica call
+is bounded by PROXY_CONTROL_TIMEOUT_S; calls are serialised with the other control calls.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
-from proxy.control import ControlPlane, Reply
+from proxy.control import ControlPlane, Reply, parse_object
 from proxy.core.fleet import Fleet, Replica, Status
 from proxy.core.weights import (
     ENDPOINTS,
@@ -82,18 +78,6 @@ class Outcome:
         )
 
 
-def _parse_object(raw: bytes, *, optional: bool = False) -> dict[str, Any]:
-    if optional and not raw.strip():
-        return {}
-    try:
-        body = json.loads(raw)
-    except ValueError as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise InvalidRequest("request body must be a JSON object")
-    return body
-
-
 def _int_field(info: dict[str, Any], name: str, low: int) -> int:
     value = info.get(name)
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -101,20 +85,13 @@ def _int_field(info: dict[str, Any], name: str, low: int) -> int:
     return value
 
 
+@dataclass(eq=False, repr=False)
 class WeightSync:
-    def __init__(
-        self,
-        settings: Settings,
-        fleet: Fleet,
-        upstream: Upstream,
-        control: ControlPlane,
-        metrics: Metrics,
-    ) -> None:
-        self.settings = settings
-        self.fleet = fleet
-        self.upstream = upstream
-        self.control = control
-        self.metrics = metrics
+    settings: Settings
+    fleet: Fleet
+    upstream: Upstream
+    control: ControlPlane
+    metrics: Metrics
 
     @property
     def book(self) -> WeightBook:
@@ -252,7 +229,7 @@ class WeightSync:
     # -- /init_weight_transfer_engine ------------------------------------------------------------
 
     async def init(self, raw: bytes) -> Reply:
-        body = _parse_object(raw)
+        body = parse_object(raw)
         info = body.get("init_info")
         if not isinstance(info, dict):
             raise InvalidRequest("'init_info' must be a JSON object", param="init_info")
@@ -343,17 +320,17 @@ class WeightSync:
         )
 
     async def start(self, raw: bytes) -> Reply:
-        body = _parse_object(raw, optional=True)
+        body = parse_object(raw, optional=True)
         return await self._exclusive(lambda: self._step("start", body))
 
     async def update(self, raw: bytes) -> Reply:
-        body = _parse_object(raw)
+        body = parse_object(raw)
         if not isinstance(body.get("update_info"), dict | list):
             raise InvalidRequest("'update_info' must be a JSON object or list", param="update_info")
         return await self._exclusive(lambda: self._step("update", body))
 
     async def finish(self, raw: bytes) -> Reply:
-        body = _parse_object(raw, optional=True)
+        body = parse_object(raw, optional=True)
         try:
             given = check_version(body.get("weight_version"))
         except ValueError as exc:

@@ -1,17 +1,10 @@
-"""OpenAI request JSON -> routing key.
+"""OpenAI request JSON -> routing key (docs/routing.md).
 
-What TRL sends is a token-id prompt (``"prompt": [int, ...]``); that is hashed exactly. Text
-prompts and chat messages are approximated unless a tokenizer is configured: the UTF-8 bytes
-of the prompt are cut into 4-byte pseudo-tokens (about one BPE token per 4 bytes of English),
-so a block of ``block_size`` pseudo-tokens covers roughly the same text as a real block. The
-approximation is stable (same text, same hashes, in every process) and prefix-preserving
-(a shared text prefix gives shared leading blocks), which is all routing needs; it cannot
-predict vLLM's own block hashes, and says so via ``RoutingKey.exact_tokens``.
-
-Batched prompts (a list of prompts) are routed on the first prompt: the whole batch goes to
-one replica because vLLM answers a batch as one response, and in practice the prompts of one
-batch share their prefix (TRL sends one prompt per request). ``n > 1`` needs nothing special:
-the n samples share the prompt, so one replica is right for all of them.
+Token-id prompts (what TRL sends) are hashed exactly. Text prompts and chat messages, without a
+tokenizer, are cut into 4-byte pseudo-tokens of their UTF-8 bytes (about one BPE token per 4
+bytes of English): stable and prefix-preserving, which is all routing needs, but not vLLM's own
+block hashes (``RoutingKey.exact_tokens`` says which). A batch is routed on its first prompt:
+vLLM answers a batch as one response, so it goes to one replica.
 """
 
 from __future__ import annotations
@@ -105,6 +98,13 @@ def _stream_of(body: Mapping[str, Any]) -> bool:
     return stream
 
 
+def _common(body: Any) -> tuple[str, str | None, bool]:
+    """``model``, ``cache_salt`` and ``stream`` of any routed body, checked in that order."""
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    return _model_of(body), _salt_of(body), _stream_of(body)
+
+
 # Vocabularies are far below 2**32 ids (the largest today ~262k), and the fast hasher packs ids
 # as uint32: a wider id anywhere in a prompt would change the packing, hence the hashes, of every
 # block before it, and one beyond 2**64 would overflow it (a 500 instead of a 400).
@@ -158,11 +158,7 @@ def _check_token_list(value: list[Any]) -> array[int]:
 
 def extract_completion(body: Any, tokenizer: Tokenizer | None = None) -> RoutingKey:
     """Routing key of a ``/v1/completions`` body. Raises InvalidRequest with a precise message."""
-    if not isinstance(body, dict):
-        raise InvalidRequest("request body must be a JSON object")
-    model = _model_of(body)
-    salt = _salt_of(body)
-    stream = _stream_of(body)
+    model, salt, stream = _common(body)
     if "prompt" not in body:
         raise InvalidRequest("'prompt' is required", param="prompt")
     prompt = body["prompt"]
@@ -191,13 +187,7 @@ def extract_completion(body: Any, tokenizer: Tokenizer | None = None) -> Routing
             tokens, count = _check_token_list(first), len(prompt)
             for p in prompt[1:]:
                 _check_token_list(p)
-        else:
-            raise InvalidRequest(
-                "'prompt' must be a string, a list of strings, a list of token ids, "
-                "or a list of lists of token ids",
-                param="prompt",
-            )
-    else:
+    if tokens is None and text is None:
         raise InvalidRequest(
             "'prompt' must be a string, a list of strings, a list of token ids, "
             "or a list of lists of token ids",
@@ -224,9 +214,8 @@ def extract_packed_completion(body: Any, tokens: array[int]) -> RoutingKey:
     from the request bytes already (proxy/core/_native.c's ``split_prompt``; ``body`` is the
     rest of the request, its prompt replaced by 0). Exactly what ``extract_completion`` returns
     and raises for the same body: the same checks of the other fields, in the same order."""
-    if not isinstance(body, dict):
-        raise InvalidRequest("request body must be a JSON object")
-    return RoutingKey(_model_of(body), tokens, None, _salt_of(body), _stream_of(body), 1)
+    model, salt, stream = _common(body)
+    return RoutingKey(model, tokens, None, salt, stream, 1)
 
 
 def _content_text(content: Any, index: int) -> str:
@@ -268,11 +257,7 @@ def render_chat(messages: list[dict[str, Any]]) -> str:
 
 def extract_chat(body: Any, tokenizer: Tokenizer | None = None) -> RoutingKey:
     """Routing key of a ``/v1/chat/completions`` body."""
-    if not isinstance(body, dict):
-        raise InvalidRequest("request body must be a JSON object")
-    model = _model_of(body)
-    salt = _salt_of(body)
-    stream = _stream_of(body)
+    model, salt, stream = _common(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise InvalidRequest("'messages' must be a non-empty list", param="messages")

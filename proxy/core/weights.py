@@ -1,28 +1,15 @@
 """Merged-weight sync bookkeeping: the weight-transfer group the replicas form with the trainer,
-and which weights each replica holds.
+and which weights each replica holds (the rules and fault table: docs/merged-weights.md).
 
-TRL syncs merged weights (DoRA, modules_to_save, a rank above --max-lora-rank, full fine-tuning)
-through vLLM's weight transfer: the trainer is rank 0 of a process group and every inference
-worker joins it at ``rank_offset + dp_rank * world_size + rank`` (vLLM 0.33,
-``nccl_common._worker_group_rank``). N replicas form ONE group when the proxy reports the sum of
-their world sizes and gives replica i the offset ``base + (sizes before it)``; :func:`seats`
-computes that. The tensors go from the trainer to every replica directly.
-
-Each replica's weights are counted in syncs (``seq``): 0 is the weights it was launched with,
-and the fleet's ``seq`` grows by one at each finish that at least one replica completed after a
-complete update. A replica serves only while it holds the fleet's weights (``stale is None``):
-
-* an update step that failed on it, or a finish without a complete update, makes it stale;
-  it stays in the group, and a later sync that it completes whole brings it back (every sync
-  sends every parameter, so one complete sync leaves nothing of the old weights);
-* a replica the fleet ejected (unreachable: it may have restarted with its launch weights and
-  without its seat) is stale until it completes a sync whole; if it did restart, that sync's
-  update fails on it and says so;
-* a replica added after the group was formed has no seat and stays stale until the trainer
-  forms a new group (a new run): ranks cannot join a formed group.
-
-Before any group is formed (adapter-only sync, or no weight sync at all) nothing here applies.
-Pure: no I/O; the async edge (proxy/weight_sync.py) reports outcomes and asks what follows.
+vLLM ranks each worker ``rank_offset + dp_rank * world_size + rank`` in the trainer's group, so
+N replicas form ONE group when the proxy reports the sum of their world sizes and gives replica
+i the offset ``base + (sizes before it)`` (:func:`seats`). Each replica's weights are counted in
+syncs (``seq``, 0: launch weights); a replica serves only while it holds the fleet's weights
+(``stale is None``). A failed step, a failed probe or connection (it may have restarted without
+its seat, even before an ejection) or a finish without a complete update makes it stale until it
+completes a sync whole (every sync sends every parameter); a replica added after the group
+formed stays stale until a new group.
+Pure: no I/O; the async edge is proxy/weight_sync.py.
 """
 
 from __future__ import annotations

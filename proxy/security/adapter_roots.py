@@ -9,19 +9,11 @@ from proxy.errors import InvalidRequest
 
 
 class AdapterRoots:
-    """``PROXY_ADAPTER_ROOTS``: the directories adapters may be loaded from.
-
-    Checked on the string, before any replica sees the load (the proxy usually cannot see the
-    replicas' file systems). The path must be absolute (a relative path is resolved against the
-    replica's working directory, and vLLM treats a non-existent one as a Hugging Face repo id and
-    downloads it), free of control characters, and free of '..' segments even when they would
-    normalise to a path inside a root: on the replica '/roots/link/..' is the parent of wherever
-    'link' points, not '/roots', so string normalisation of '..' is unsound in the presence of
-    symlinks. TRL sends ``os.path.abspath`` paths, which never contain '..'. What remains ('.',
-    '//', trailing '/') is normalised, and the result must equal a root or lie below one.
-    A symlink *inside* a root that points outside it cannot be seen from here: keep the roots'
-    contents writable by the trainer only.
-    """
+    """``PROXY_ADAPTER_ROOTS``: the directories adapters may be loaded from, checked on the
+    string before any replica sees the load. The path must be absolute, free of control
+    characters and of '..' segments (on the replica '/roots/link/..' is the parent of wherever
+    'link' points, so normalising '..' is unsound with symlinks); the rest is normalised and
+    must equal or lie below a root. Why each rule: docs/security.md."""
 
     def __init__(self, roots: Sequence[str]) -> None:
         self.roots = tuple(normalize_root(r) for r in roots)

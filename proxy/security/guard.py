@@ -124,15 +124,10 @@ def error_response_parts(err: ProxyError) -> tuple[int, list[tuple[bytes, bytes]
 
 
 class SecurityMiddleware:
-    """Pure ASGI (no BaseHTTPMiddleware: that buffers and re-wraps streamed responses).
-
-    Order, cheapest refusal first: header size (431), canonical path (400), key (401/403),
-    declared Content-Length (413, before a byte of the body is read), then the body is counted
-    as it streams in and the request fails with 413 as soon as it passes the limit, so an
-    unbounded body is never buffered. Responses are checked for the upstream token as a last
-    line of defence: nothing in the proxy writes it, and if something ever did, it is masked
-    (same length, so Content-Length stays right) and a warning is logged.
-    """
+    """Pure ASGI (BaseHTTPMiddleware buffers and re-wraps streamed responses): ``check_head``,
+    then the body is counted as it streams in (413 as soon as it passes the limit, so an
+    unbounded body is never buffered); the upstream token is masked out of responses as a last
+    line of defence. Order and reasons: docs/security.md."""
 
     def __init__(
         self,

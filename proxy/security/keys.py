@@ -1,5 +1,5 @@
 """Inbound keys: configured keys as digests, compared in constant time, and the key a client
-presents (Bearer, or HTTP Basic for TRL; see the package docstring)."""
+presents (Bearer, or HTTP Basic for TRL; docs/security.md)."""
 
 from __future__ import annotations
 

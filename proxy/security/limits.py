@@ -15,16 +15,10 @@ FALLBACK_MAX_PROMPT_TOKENS = 1 << 20
 
 
 class PromptLimits:
-    """Prompt count and prompt length, checked after parsing and before routing.
-
-    Length is checked on token ids: TRL's token prompts, and text or chat prompts when a
-    tokenizer is configured. Text without a tokenizer is bounded only by the body size: no
-    bytes-per-token ratio is safe for every vocabulary (a run of spaces can be one token), and a
-    wrong guess would refuse prompts the replica accepts; the replica checks them exactly.
-    The bound is the replicas' smallest max_model_len unless set: a longer prompt cannot be
-    served (vLLM needs room for at least one generated token), so the proxy says so without
-    hashing it or spending a replica round trip.
-    """
+    """Prompt count and prompt length, checked after parsing and before routing. Length is
+    checked on token ids only (text without a tokenizer is bounded by the body size: no
+    bytes-per-token ratio is safe for every vocabulary); the bound is the replicas' smallest
+    max_model_len unless set. Why: docs/security.md."""
 
     def __init__(
         self,

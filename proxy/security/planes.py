@@ -1,5 +1,5 @@
 """Which plane (open, data, admin) a request path belongs to, and whether the path is in the
-canonical form the plane check relies on (see the package docstring)."""
+canonical form the plane check relies on (docs/security.md)."""
 
 from __future__ import annotations
 
