@@ -16,16 +16,14 @@ connection (added = minus the direct figure), and the target's CPU time per requ
 The machine is shared: every target is started first, then the runs are interleaved (round r
 runs every target once, in turn), and each figure is the median over the rounds.
 
-Targets: direct (wrk -> backend), rollout-proxy (the lean client, the default; aiohttp; httpx's
-own transport on request; ``proxy-python``: PROXY_NATIVE=off, so that proxy-python minus proxy
-is what the C extension saves; ``proxy-rr``: round-robin policy, so that proxy minus proxy-rr is
-what routing costs), vllm-router, sglang-router, nginx as a pass-through proxy (the floor
-for any proxy process), and bare uvicorn pass-throughs with the lean client and with aiohttp (the
-floors for a Python one, bench/harness/passthrough.py). ``proxy@LABEL``: the default proxy as
-another
-checkout runs it (``BENCH_TREES=LABEL=PATH``, bench/harness/routers.py; PATH's own ``.venv``), so
-that a
-change is measured against its base side by side, in the same interleaved rounds.
+Targets: direct (wrk -> backend), rollout-proxy (defaults; ``proxy-python``: PROXY_NATIVE=off, so
+that proxy-python minus proxy is what the compiled primitives save; ``proxy-rr``: round-robin
+policy, so that proxy minus proxy-rr is what routing costs), vllm-router, sglang-router, nginx as a
+pass-through proxy (the floor for any proxy process), and bare uvicorn pass-throughs with the lean
+client and with aiohttp (the floors for a Python one, bench/harness/passthrough.py).
+``proxy@LABEL``: the default proxy as another checkout runs it (``BENCH_TREES=LABEL=PATH``,
+bench/harness/routers.py; PATH's own ``.venv``), so that a change is measured against its base side
+by side, in the same interleaved rounds.
 """
 
 from __future__ import annotations
