@@ -56,7 +56,7 @@ def stale_weights_serve(world: Any) -> None:
     """A broken merged-weight rule: a replica whose weights are not the fleet's (its update
     failed, it restarted after the group was formed, or it was added later) stays eligible."""
     fleet: Fleet = world.proxy.rt.fleet
-    can_serve = fleet.can_serve
+    can_serve, eligible = fleet.can_serve, fleet.eligible
 
     def ignoring_weights(replica: Replica, model: str) -> bool:
         stale, replica.weights.stale = replica.weights.stale, None
@@ -65,7 +65,19 @@ def stale_weights_serve(world: Any) -> None:
         finally:
             replica.weights.stale = stale
 
+    def eligible_ignoring_weights(model: str) -> list[Replica]:
+        # eligible() decides the base model (every merged-weight rollout) without can_serve.
+        saved = [(r, r.weights.stale) for r in fleet.replicas]
+        for r, _ in saved:
+            r.weights.stale = None
+        try:
+            return eligible(model)
+        finally:
+            for r, stale in saved:
+                r.weights.stale = stale
+
     fleet.can_serve = ignoring_weights  # type: ignore[method-assign]
+    fleet.eligible = eligible_ignoring_weights  # type: ignore[method-assign]
 
 
 MUTATIONS: dict[str, Callable[[Any], None]] = {
