@@ -13,6 +13,7 @@ the only one to re-point.
 from __future__ import annotations
 
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,42 +69,44 @@ class ProxyUnderTest:
             return Answer(exc.status_code, exc.to_body(), exc.message)
         return Answer(500, None, f"internal proxy error: {type(exc).__name__}: {exc}")
 
-    async def control(self, endpoint: str, raw: bytes = b"", query: str = "") -> Answer:
-        rt = self.rt
-        assert rt is not None
+    async def _answer(self, call: Coroutine[Any, Any, Any]) -> Answer:
+        """A control or weight call's reply as the app's handler would send it."""
         try:
-            if endpoint == "load":
-                reply = await rt.control.load_adapter(raw)
-            elif endpoint == "unload":
-                reply = await rt.control.unload_adapter(raw)
-            elif endpoint == "pause":
-                reply = await rt.control.pause(query)
-            elif endpoint == "resume":
-                reply = await rt.control.resume()
-            else:
-                reply = await rt.control.reset_prefix_cache(query)
+            reply = await call
         except Exception as exc:
             return self._error(exc)
         return Answer(reply.status, reply.body)
+
+    async def control(self, endpoint: str, raw: bytes = b"", query: str = "") -> Answer:
+        rt = self.rt
+        assert rt is not None
+        if endpoint == "load":
+            call = rt.control.load_adapter(raw)
+        elif endpoint == "unload":
+            call = rt.control.unload_adapter(raw)
+        elif endpoint == "pause":
+            call = rt.control.pause(query)
+        elif endpoint == "resume":
+            call = rt.control.resume()
+        else:
+            call = rt.control.reset_prefix_cache(query)
+        return await self._answer(call)
 
     async def weights(self, endpoint: str, raw: bytes = b"", query: str = "") -> Answer:
         """The merged-weight routes (proxy/weight_sync.py), as the app's handlers call them."""
         rt = self.rt
         assert rt is not None
-        try:
-            if endpoint == "get_world_size":
-                reply = await rt.weights.get_world_size(query)
-            elif endpoint == "init":
-                reply = await rt.weights.init(raw)
-            elif endpoint == "start":
-                reply = await rt.weights.start(raw)
-            elif endpoint == "update":
-                reply = await rt.weights.update(raw)
-            else:
-                reply = await rt.weights.finish(raw)
-        except Exception as exc:
-            return self._error(exc)
-        return Answer(reply.status, reply.body)
+        if endpoint == "get_world_size":
+            call = rt.weights.get_world_size(query)
+        elif endpoint == "init":
+            call = rt.weights.init(raw)
+        elif endpoint == "start":
+            call = rt.weights.start(raw)
+        elif endpoint == "update":
+            call = rt.weights.update(raw)
+        else:
+            call = rt.weights.finish(raw)
+        return await self._answer(call)
 
     async def add_replica(self, url: str) -> Answer:
         """POST /admin/replicas."""

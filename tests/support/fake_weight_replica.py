@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import datetime
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +83,14 @@ class WeightReplica:
             except BaseException as exc:
                 errors.append(exc)
 
+        self._per_rank(worker, errors)
+        self.groups, self.ranks = groups, ranks
+        self.received = [{} for _ in ranks]
+        self.committed = [{} for _ in ranks]
+
+    def _per_rank(self, worker: Callable[[int], None], errors: list[BaseException]) -> None:
+        """Run ``worker(k)`` for every local rank at once (a collective needs all of them), then
+        raise the first error any of them recorded."""
         threads = [threading.Thread(target=worker, args=(k,)) for k in range(self.world_size)]
         for t in threads:
             t.start()
@@ -89,9 +98,6 @@ class WeightReplica:
             t.join()
         if errors:
             raise errors[0]
-        self.groups, self.ranks = groups, ranks
-        self.received = [{} for _ in ranks]
-        self.committed = [{} for _ in ranks]
 
     def _receive(self, info: dict[str, Any]) -> None:
         names, dtypes, shapes = info["names"], info["dtype_names"], info["shapes"]
@@ -108,13 +114,7 @@ class WeightReplica:
             except BaseException as exc:
                 errors.append(exc)
 
-        threads = [threading.Thread(target=worker, args=(k,)) for k in range(self.world_size)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        self._per_rank(worker, errors)
 
     async def _fault(self, step: str) -> JSONResponse | None:
         mode = self.faults.get(step)
