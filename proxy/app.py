@@ -167,8 +167,8 @@ def build_runtime(settings: Settings, transport: httpx.AsyncBaseTransport | None
     )
     relay = make_relay(settings, upstream, transport is not None)
 
-    async def wait_for(model: str) -> list[Replica]:
-        return await wait_for_replica(
+    async def wait_for(model: str) -> None:
+        await wait_for_replica(
             fleet, reconciler.changes, model, settings.adapter_wait_s, reconciler.clock
         )
 

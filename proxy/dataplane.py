@@ -170,7 +170,7 @@ class DataPlane:
         eject: Callable[[Replica, str], None],
         guard: Guard | None = None,
         kv_events: KvEvents | None = None,
-        wait_for_replica: Callable[[str], Awaitable[list[Replica]]] | None = None,
+        wait_for_replica: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         # The guard masks the upstream token should a replica ever echo it (the data path runs
         # outside the security middleware that does this for FastAPI's routes).

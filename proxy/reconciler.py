@@ -181,10 +181,10 @@ class FleetChanges:
 
 async def wait_for_replica(
     fleet: Fleet, changes: FleetChanges, model: str, wait_s: float, clock: Callable[[], float]
-) -> list[Replica]:
-    """The replicas eligible for ``model`` once one is, or after ``wait_s`` seconds, or as soon
-    as waiting cannot help (``Fleet.awaited`` turns false: the adapter was unloaded, or a
-    replica may serve it). Woken by ``changes``, not by polling."""
+) -> None:
+    """Return once a replica may serve ``model``, after ``wait_s`` seconds, or as soon as
+    waiting cannot help (``Fleet.awaited`` turns false: the adapter was unloaded, or a replica
+    may serve it); the caller then picks again. Woken by ``changes``, not by polling."""
     if wait_s > 0 and fleet.awaited(model):
         deadline = clock() + wait_s
         while fleet.awaited(model):
@@ -192,7 +192,6 @@ async def wait_for_replica(
             if left <= 0:
                 break
             await changes.wait(left)
-    return fleet.eligible(model)
 
 
 class Reconciler:
