@@ -57,6 +57,16 @@ class Action:
         return f"{self.kind} {self.name}".strip()
 
 
+def describe_outcome(replica: int, result: str, http_status: int | None, detail: str) -> str:
+    """One replica's outcome in a sentence, as every broadcast's error message names them."""
+    text = f"replica {replica}: {result}"
+    if http_status is not None:
+        text += f" (HTTP {http_status})"
+    if detail:
+        text += f": {detail}"
+    return text
+
+
 @dataclass
 class Outcome:
     replica: int
@@ -76,12 +86,7 @@ class Outcome:
         }
 
     def describe(self) -> str:
-        text = f"replica {self.replica}: {self.result}"
-        if self.http_status is not None:
-            text += f" (HTTP {self.http_status})"
-        if self.detail:
-            text += f": {self.detail}"
-        return text
+        return describe_outcome(self.replica, self.result, self.http_status, self.detail)
 
 
 @dataclass

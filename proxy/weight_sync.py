@@ -38,6 +38,7 @@ from proxy.errors import (
     UpstreamUnavailable,
 )
 from proxy.metrics import Metrics
+from proxy.reconciler import describe_outcome
 from proxy.settings import Settings
 from proxy.upstream import Upstream
 
@@ -72,10 +73,7 @@ class Outcome:
         return out
 
     def describe(self) -> str:
-        status = f" (HTTP {self.http_status})" if self.http_status is not None else ""
-        return f"replica {self.replica}: {self.result}{status}" + (
-            f": {self.detail}" if self.detail else ""
-        )
+        return describe_outcome(self.replica, self.result, self.http_status, self.detail)
 
 
 def _int_field(info: dict[str, Any], name: str, low: int) -> int:
