@@ -198,4 +198,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 if __name__ == "__main__":
     # Run by path, sys.path[0] is scripts/; the trainer package sits at the repository root.
     sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
-    raise SystemExit(main())
+    from trainer.__main__ import exit_process
+
+    exit_process(main())

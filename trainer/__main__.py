@@ -6,8 +6,11 @@ Exit codes: 0 done, 2 configuration / data / preflight problem (message on stder
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from trainer.config import ConfigError, describe, load_config
 
@@ -40,13 +43,30 @@ def main(argv: Sequence[str] | None = None) -> int:
 def destroy_process_group() -> None:
     """Tear the process group down while the interpreter is whole. A rank that exits with its
     group alive can abort in finalization (SIGABRT, "terminate called without an active
-    exception": gloo's worker threads still hold tensors; pytorch/pytorch#190489, #179291):
-    rank 1 of the FSDP test's resumed run did, once in 4 runs of the suite, after its last
-    collective. NCCL warns of the same leak at exit."""
+    exception": gloo's worker threads still hold tensors; pytorch/pytorch#190489, #179291).
+    NCCL warns of the same leak at exit; exit_process covers what teardown leaves behind."""
     dist = sys.modules.get("torch.distributed")  # not imported: no group (and no torch import)
     if dist is not None and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 
+def exit_process(code: int) -> NoReturn:
+    """End a trainer process with ``code``. Once torch.distributed was loaded, the interpreter's
+    finalization is skipped (outputs are flushed first; the run's files are already written):
+    gloo's worker threads can still abort it with SIGABRT ("terminate called without an active
+    exception") after a clean destroy_process_group, and a finished run must not exit -6."""
+    if "torch.distributed" in sys.modules:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    raise SystemExit(code)
+
+
+def cli() -> NoReturn:
+    """The ``rollout-train`` console script."""
+    exit_process(main())
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    cli()
