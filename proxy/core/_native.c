@@ -1,42 +1,11 @@
 /*
  * proxy.core._native: pure primitives of a token-id completion's per-request work, in C.
  *
- * Only primitives with test vectors live here; every routing decision (policy, prefix index,
- * common-prefix walk, KV-event views) is the Python in proxy/core/. Each function has a
- * pure-Python reference the tests compare it with (tests/unit/test_native.py on random and
- * adversarial bodies, tests/unit/test_vllm_chain_native.py on vLLM's vectors):
- *
- *   split_prompt(body) -> (array('I') ids, rest) | None
- *       Finds the top-level "prompt" of a JSON object and, when it is a non-empty array of
- *       non-negative integers <= 2**32 - 1, packs it straight from the bytes (the 512 Python
- *       ints orjson would create and the array packing them are never made) and returns the
- *       body with that array replaced by 0 (`rest`), which the caller parses with orjson: every
- *       other field keeps the reference's parser and its exact validation and errors. Anything
- *       else returns None and the caller runs the reference path on the original body: text
- *       prompts, batches, floats, exponents, negatives, leading zeros, huge ids, a second
- *       "prompt" key, any top-level key with an escape, and malformed JSON.
- *
- *   chain(data, step, seed) -> list[int]
- *       Chained XXH3-64 block keys: for each full `step`-byte block, h = XXH3_64(block, seed=h),
- *       starting from `seed`; exactly FastHasher's _chain.
- *
- *   extend_chain(prompt, start, completion, block_size, parent) -> list[int] | None
- *       A chain continued through a packed prompt's tail and a completion's ids
- *       (FastHasher.extend over the concatenated ids), packed without a Python list.
- *
- *   vllm_chain(algo, parent, tokens, start, stop, block_size, first_extra, extra)
- *       vLLM's exact block digests (hashing.py's VllmHasher.digests: pickle or CBOR, sha256 or
- *       xxh3-128), with their event keys.
- *
- * The body is untrusted: every read is bounds-checked against its length, nothing recurses
- * (nested values are skipped with a depth counter), and the scan is one forward pass.
- *
- * Why replacing the array by 0 cannot make an invalid body valid: the scanner finds string
- * boundaries exactly as a JSON lexer does (every quote outside a string opens one, a backslash
- * skips the next byte), so the array it replaces lies outside strings in orjson's view too, and
- * it sits where the object grammar puts a value ("key" : VALUE followed by , or }). If the body
- * with 0 there is valid JSON, the 0 is a value, and the original with a valid integer array in
- * its place was valid too.
+ * Only primitives with test vectors live here; every routing decision is the Python in
+ * proxy/core/. Each function has a pure-Python reference the tests compare it with
+ * (tests/unit/test_native.py on random and adversarial bodies, tests/unit/test_vllm_chain_native.py
+ * on vLLM's vectors): split_prompt (hotpath/extract.py's orjson + array('I')), chain and
+ * extend_chain (hashing.py's FastHasher), vllm_chain (hashing.py's VllmHasher.digests).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -162,6 +131,26 @@ static Py_ssize_t scan_ids(const unsigned char *s, Py_ssize_t i, Py_ssize_t n, I
     }
 }
 
+/* split_prompt(body) -> (array('I') ids, rest) | None
+ *
+ * Finds the top-level "prompt" of a JSON object and, when it is a non-empty array of
+ * non-negative integers <= 2**32 - 1, packs it straight from the bytes (the Python ints orjson
+ * would create and the array packing them are never made) and returns the body with that array
+ * replaced by 0 (`rest`), which the caller parses with orjson: every other field keeps the
+ * reference's parser and its exact validation and errors. Anything else returns None and the
+ * caller runs the reference path on the original body: text prompts, batches, floats,
+ * exponents, negatives, leading zeros, huge ids, a second "prompt" key, any top-level key with
+ * an escape, and malformed JSON.
+ *
+ * The body is untrusted: every read is bounds-checked against its length, nothing recurses
+ * (nested values are skipped with a depth counter), and the scan is one forward pass.
+ *
+ * Why replacing the array by 0 cannot make an invalid body valid: the scanner finds string
+ * boundaries exactly as a JSON lexer does (every quote outside a string opens one, a backslash
+ * skips the next byte), so the array it replaces lies outside strings in orjson's view too, and
+ * it sits where the object grammar puts a value ("key" : VALUE followed by , or }). If the body
+ * with 0 there is valid JSON, the 0 is a value, and the original with a valid integer array in
+ * its place was valid too. */
 static PyObject *split_prompt(PyObject *self, PyObject *arg) {
     Py_buffer view;
     if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
@@ -400,23 +389,6 @@ static int sha256(const unsigned char *data, size_t n, unsigned char out[32]) {
 /* Whether vllm_chain hashes the sha256 algorithms in C (set at import). */
 static int sha256_in_c = 0;
 
-/* sha256_hook(data) -> digest: vllm_chain's SHA-256, for the twin test against hashlib. */
-static PyObject *sha256_hook(PyObject *self, PyObject *arg) {
-    if (!PyBytes_Check(arg)) {
-        PyErr_SetString(PyExc_TypeError, "sha256_hook(data: bytes)");
-        return NULL;
-    }
-    unsigned char out[32];
-    if (!sha256_in_c) {
-        PyErr_SetString(PyExc_RuntimeError, "built without libcrypto");
-        return NULL;
-    }
-    if (!sha256((const unsigned char *)PyBytes_AS_STRING(arg), (size_t)PyBytes_GET_SIZE(arg),
-                out))
-        return NULL;
-    return PyBytes_FromStringAndSize((const char *)out, 32);
-}
-
 /* hashing.py's VLLM_HASH_ALGOS order. */
 enum { ALGO_SHA256_PICKLE, ALGO_SHA256_CBOR, ALGO_XXH_PICKLE, ALGO_XXH_CBOR, ALGO_COUNT };
 
@@ -601,13 +573,8 @@ static PyObject *vllm_chain(PyObject *self, PyObject *const *args, Py_ssize_t na
                                : PyBytes_GET_SIZE(args[7]);
     size_t room = 32 + 255 + 11 * (size_t)bs + (size_t)extra_len;
     unsigned char *buf = PyMem_Malloc(room);
-    PyObject *out = PyList_New(stop - start);
-    if (buf == NULL || out == NULL) {
-        PyMem_Free(ids);
-        PyMem_Free(buf);
-        Py_XDECREF(out);
-        return buf == NULL ? PyErr_NoMemory() : NULL;
-    }
+    PyObject *out = buf == NULL ? PyErr_NoMemory() : PyList_New(stop - start);
+    if (out == NULL) goto done;
     unsigned char digest[32];
     const unsigned char *parent = (const unsigned char *)PyBytes_AS_STRING(args[1]);
     for (Py_ssize_t i = start; i < stop; i++) {
@@ -620,10 +587,8 @@ static PyObject *vllm_chain(PyObject *self, PyObject *const *args, Py_ssize_t na
             XXH128_canonicalFromHash(&c, XXH3_128bits(buf, n));
             memcpy(digest, c.digest, 16);
         } else if (!sha256(buf, n, digest)) {
-            PyMem_Free(ids);
-            PyMem_Free(buf);
-            Py_DECREF(out);
-            return NULL;
+            Py_CLEAR(out);
+            goto done;
         }
         uint64_t key = 0;
         for (Py_ssize_t j = digest_len - 8; j < digest_len; j++) key = key << 8 | digest[j];
@@ -633,15 +598,14 @@ static PyObject *vllm_chain(PyObject *self, PyObject *const *args, Py_ssize_t na
         Py_XDECREF(k);
         Py_XDECREF(d);
         if (entry == NULL) {
-            PyMem_Free(ids);
-            PyMem_Free(buf);
-            Py_DECREF(out);
-            return NULL;
+            Py_CLEAR(out);
+            goto done;
         }
         PyList_SET_ITEM(out, i - start, entry);
         parent = (const unsigned char *)PyBytes_AS_STRING(d);
         parent_len = digest_len;
     }
+done:
     PyMem_Free(ids);
     PyMem_Free(buf);
     return out;
@@ -654,8 +618,6 @@ static PyMethodDef methods[] = {
      "chain(data, step, seed) -> chained XXH3-64 keys of data's full step-byte blocks"},
     {"extend_chain", (PyCFunction)(void (*)(void))extend_chain, METH_FASTCALL,
      "extend_chain(prompt, start, completion, block_size, parent) -> keys or None"},
-    {"sha256_hook", sha256_hook, METH_O,
-     "sha256_hook(data) -> vllm_chain's sha256 digest (the twin test's hook)"},
     {"vllm_chain", (PyCFunction)(void (*)(void))vllm_chain, METH_FASTCALL,
      "vllm_chain(algo, parent, tokens, start, stop, block_size, first_extra, extra) -> "
      "[(event key, digest)] or None: VllmHasher.digests"},
@@ -679,10 +641,6 @@ PyMODINIT_FUNC PyInit__native(void) {
     sha256_in_c = sha256_init();
     /* Whether vllm_chain hashes the sha256 algorithms in C (libcrypto linked and working). */
     if (PyModule_AddIntConstant(m, "SHA256_IN_C", sha256_in_c) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    if (PyModule_AddStringConstant(m, "XXHASH_VERSION", "0.8.2") < 0) {
         Py_DECREF(m);
         return NULL;
     }

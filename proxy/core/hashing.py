@@ -1,19 +1,16 @@
 """Chained block hashes: the key that says "this replica has seen this prefix".
 
-Block i's hash covers tokens [0, (i+1)*block_size) through chaining: h_i = H(h_{i-1}, block_i).
-A hit on block i therefore implies blocks 0..i match too, so one dict lookup per block finds the
+Block i's hash covers tokens [0, (i+1)*block_size) through chaining: h_i = H(h_{i-1}, block_i),
+so a hit on block i implies blocks 0..i match too and one dict lookup per block finds the
 longest shared prefix. Only full blocks are hashed, exactly as vLLM's prefix cache does.
 
-Two implementations behind one interface:
-
 * ``FastHasher`` (default): xxh3-64 over the little-endian uint32 bytes of each block, the chain
-  carried in xxh3's 64-bit seed, the chain's root seeded with the namespace (adapter name, cache
-  salt, purge epoch). 4x (sha256) to 11x (sha256_cbor) faster than the exact mode on a
-  4,096-token prompt (89 vs 390 / 985 us here); its values mean nothing to vLLM.
-* ``VllmHasher``: reproduces vLLM 0.33.0's ``get_request_block_hasher`` bit for bit (tested on every
-  case of shared/vectors/vllm_block_hashes.json). Needed to compare the proxy's predictions with
-  the KV-cache events vLLM publishes. Keys are the low 64 bits (big-endian) of vLLM's digest,
-  which is exactly what those events carry.
+  carried in xxh3's 64-bit seed, its root seeded with the namespace (adapter name, cache salt,
+  purge epoch). Several times faster than the exact mode (docs/routing.md); its values mean
+  nothing to vLLM.
+* ``VllmHasher``: vLLM 0.33.0's ``get_request_block_hasher`` bit for bit (tested on every case of
+  shared/vectors/vllm_block_hashes.json), to compare the proxy's predictions with vLLM's
+  KV-cache events: keys are the low 64 bits (big-endian) of vLLM's digest, what events carry.
 
 Both return plain ``int`` keys so the prefix index does not care which one produced them.
 """
@@ -39,8 +36,6 @@ VLLM_HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 # vLLM 0.33.0 seeds the chain with H(PYTHONHASHSEED) and, when that is unset, with this string
 # for its reproducible algorithms (shared/REFERENCE.md §3; confirmed by the shared vectors).
 VLLM_DEFAULT_SEED = "vllm-none-hash"
-
-_MASK64 = (1 << 64) - 1
 
 
 class Namespace(NamedTuple):
@@ -111,9 +106,9 @@ class FastHasher:
     """xxh3-64 chained block hashes for routing (the default).
 
     ``use_native``: chain the blocks in C (proxy/core/_native.c, the same XXH3-64 from the vendored
-    xxhash.h; 32 blocks of a 512-token prompt measured in bench/results/micro_request.md) or with
-    the xxhash module (the reference, ``_chain``); None: the C extension when it is built.
-    Both give the same keys (tests/unit/test_native.py)."""
+    xxhash.h; bench/results/micro_request.md) or with the xxhash module (the reference,
+    ``_chain``); None: the C extension when it is built. Both give the same keys
+    (tests/unit/test_native.py)."""
 
     mode = "fast"
 
@@ -170,27 +165,20 @@ class FastHasher:
         return self.chain(text, 4 * self.block_size, self._seed(namespace) ^ 0x7E57)
 
 
-def _sha256_pickle(obj: Any) -> bytes:
-    return hashlib.sha256(pickle.dumps(obj, protocol=5)).digest()
+def _pickle(obj: Any) -> bytes:
+    return pickle.dumps(obj, protocol=5)
 
 
-def _sha256_cbor(obj: Any) -> bytes:
-    return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
+def _cbor(obj: Any) -> bytes:
+    return cbor2.dumps(obj, canonical=True)
 
 
-def _xxh_pickle(obj: Any) -> bytes:
-    return bytes(xxhash.xxh3_128_digest(pickle.dumps(obj, protocol=5)))
-
-
-def _xxh_cbor(obj: Any) -> bytes:
-    return bytes(xxhash.xxh3_128_digest(cbor2.dumps(obj, canonical=True)))
-
-
+# vLLM's block hash per --prefix-caching-hash-algo: an encoding, then a digest.
 _VLLM_FUNCTIONS: dict[str, Callable[[Any], bytes]] = {
-    "sha256": _sha256_pickle,
-    "sha256_cbor": _sha256_cbor,
-    "xxhash": _xxh_pickle,
-    "xxhash_cbor": _xxh_cbor,
+    "sha256": lambda obj: hashlib.sha256(_pickle(obj)).digest(),
+    "sha256_cbor": lambda obj: hashlib.sha256(_cbor(obj)).digest(),
+    "xxhash": lambda obj: xxhash.xxh3_128_digest(_pickle(obj)),
+    "xxhash_cbor": lambda obj: xxhash.xxh3_128_digest(_cbor(obj)),
 }
 
 
@@ -202,8 +190,8 @@ def _encode_extra(algo: str, extra: tuple[Any, ...] | None, digest_len: int) -> 
     memo numbering (parent 0, tokens 1, then the extra's own objects) is the one a block's
     pickle gives it."""
     if algo.endswith("_cbor"):
-        return cbor2.dumps(extra, canonical=True)
-    whole = pickle.dumps((bytes(digest_len), (0,), extra), protocol=5)
+        return _cbor(extra)
+    whole = _pickle((bytes(digest_len), (0,), extra))
     # PROTO + FRAME (11 bytes), SHORT_BINBYTES + its length + parent + MEMOIZE, then
     # BININT1 0 + TUPLE1 + MEMOIZE; at the end TUPLE3 + MEMOIZE + STOP.
     head = 11 + 2 + digest_len + 1 + 4
@@ -212,7 +200,7 @@ def _encode_extra(algo: str, extra: tuple[Any, ...] | None, digest_len: int) -> 
 
 def event_hash(digest: bytes) -> int:
     """The int vLLM's KV-cache events report for a block: low 64 bits, big-endian."""
-    return int.from_bytes(digest, "big") & _MASK64
+    return int.from_bytes(digest[-8:], "big")
 
 
 # Chain tails the exact hasher remembers for ``extend``: a completion is learned a few ms to
@@ -251,7 +239,6 @@ class VllmHasher:
             raise ValueError(f"unknown vLLM hash algorithm {algo!r}; one of {VLLM_HASH_ALGOS}")
         self.block_size = block_size
         self.algo = algo
-        self.seed = seed
         self._fn = _VLLM_FUNCTIONS[algo]
         self._root = self._fn(seed if seed is not None else VLLM_DEFAULT_SEED)
         # Text prompts and the memo's prefix keys are XXH3 chains: FastHasher's, in C when
@@ -267,8 +254,7 @@ class VllmHasher:
         )
         self._algo_id = VLLM_HASH_ALGOS.index(algo)
         # Per (namespace, at the chain's root): the encoded extra keys vllm_chain appends, or
-        # None where only the reference can encode them (see _encoded_extras). Bounded like
-        # FastHasher's seeds (a fresh cache salt per request is possible): emptied when full.
+        # None where only the reference can encode them. Bounded like FastHasher's seeds.
         self._encoded: dict[tuple[str, str | None, str | None, bool], tuple[bytes, bytes] | None]
         self._encoded = {}
         # The full digest (and prefix-chain key) behind the last key of recently hashed
@@ -320,8 +306,8 @@ class VllmHasher:
         base = memo.namespace_base((namespace.model, namespace.lora_path, namespace.cache_salt))
         remembered = memo.digests
         memo_keys = [base | link for link in chain]
-        # Remembered blocks are looked up and refreshed (LRU) in C; only from the first block
-        # not remembered on does Python step block by block.
+        # Remembered blocks are looked up and refreshed (LRU) in C; only the blocks from the
+        # first one not remembered on are hashed.
         entries: list[tuple[int, bytes] | None] = list(map(remembered.get, memo_keys))
         try:
             first_miss = entries.index(None)
@@ -330,40 +316,35 @@ class VllmHasher:
         touch = remembered.move_to_end
         deque(map(touch, memo_keys[:first_miss]), maxlen=0)
         misses = 0
+        bs = self.block_size
         if first_miss < len(entries):
-            first_extra, lora = self._extras(namespace, parent is None)
-            fn, bs = self._fn, self.block_size
             if first_miss:
                 digest = entries[first_miss - 1][1]  # type: ignore[index]
             else:
                 digest = parent[0] if parent else self._root
             computed = None
             if self._vllm_chain is not None:
-                encoded = self._encoded_extras(namespace, parent is None, first_extra, lora)
+                encoded = self._encoded_extras(namespace, parent is None)
                 if encoded is not None:
                     computed = self._vllm_chain(
                         self._algo_id, digest, tokens, first_miss, len(entries), bs, *encoded
                     )
-            if computed is not None:
-                # Every block from the first miss on, in one call: a remembered one among them
-                # keeps its entry (the same digest: the memo holds what vLLM's function gave
-                # for that very prefix) and is refreshed, as below.
-                for i, fresh in enumerate(computed, first_miss):
-                    if entries[i] is None:
-                        entries[i] = remembered[memo_keys[i]] = fresh
-                        misses += 1
-                    else:
-                        touch(memo_keys[i])
-            for i in range(first_miss if computed is None else len(entries), len(entries)):
-                entry = entries[i]
-                if entry is None:
-                    extra = first_extra if i == 0 else lora
-                    digest = fn((digest, tuple(tokens[i * bs : (i + 1) * bs]), extra))
-                    entry = entries[i] = remembered[memo_keys[i]] = (event_hash(digest), digest)
+            if computed is None:
+                at_root = parent is None and not first_miss
+                rest = tokens[first_miss * bs :]
+                computed = [
+                    (event_hash(d), d)
+                    for d in self.digests(rest, namespace, None if at_root else digest)
+                ]
+            # Every block from the first miss on: a remembered one among them keeps its entry
+            # (the same digest: the memo holds what vLLM's function gave for that very prefix)
+            # and is refreshed.
+            for i, fresh in enumerate(computed, first_miss):
+                if entries[i] is None:
+                    entries[i] = remembered[memo_keys[i]] = fresh
                     misses += 1
                 else:
                     touch(memo_keys[i])
-                    digest = entry[1]
         memo.hits += len(chain) - misses
         memo.misses += misses
         if misses:
@@ -372,16 +353,10 @@ class VllmHasher:
         assert last is not None
         return [e[0] for e in entries], last[1], chain[-1]  # type: ignore[index]
 
-    def _encoded_extras(
-        self,
-        namespace: Namespace,
-        at_root: bool,
-        first_extra: tuple[Any, ...] | None,
-        lora: tuple[Any, ...] | None,
-    ) -> tuple[bytes, bytes] | None:
+    def _encoded_extras(self, namespace: Namespace, at_root: bool) -> tuple[bytes, bytes] | None:
         """The bytes vllm_chain writes for the first block's and every later block's extra
         keys, or None when the C encoding does not reproduce the reference for this namespace
-        (then the blocks are hashed in Python, as before)."""
+        (then the blocks are hashed in Python)."""
         slot = (namespace.model, namespace.lora_path, namespace.cache_salt, at_root)
         try:
             return self._encoded[slot]
@@ -389,6 +364,7 @@ class VllmHasher:
             pass
         if len(self._encoded) >= MAX_CACHED_SEEDS:
             self._encoded.clear()
+        first_extra, lora = self._extras(namespace, at_root)
         encoded: tuple[bytes, bytes] | None = (
             _encode_extra(self.algo, first_extra, len(self._root)),
             _encode_extra(self.algo, lora, len(self._root)),

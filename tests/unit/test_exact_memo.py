@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from proxy.core.exact_memo import ExactMemo
 from proxy.core.hashing import Namespace, VllmHasher, event_hash
+from proxy.core.native import MODULE
 
 PROPS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -23,6 +24,8 @@ namespaces = st.builds(
     cache_salt=st.none() | st.sampled_from(["", "s1", "s2"]),
     epoch=st.integers(0, 3),
 )
+# The reference hashes the blocks the memo lacks in Python, the extension in C (when built).
+implementations = st.sampled_from([False] if MODULE is None else [False, True])
 # Few distinct token values, so prompts share prefixes (what the memo exists for) and differ.
 token_lists = st.lists(st.integers(0, 3), max_size=40)
 
@@ -40,11 +43,16 @@ def fresh_keys(hasher: VllmHasher, tokens: list[int], ns: Namespace) -> list[int
     block_size=st.integers(1, 5),
     capacity=st.integers(0, 12),
     algo=st.sampled_from(["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]),
+    use_native=implementations,
 )
 def test_memoised_keys_equal_fresh_ones_whatever_was_evicted(
-    requests: list[tuple[list[int], Namespace]], block_size: int, capacity: int, algo: str
+    requests: list[tuple[list[int], Namespace]],
+    block_size: int,
+    capacity: int,
+    algo: str,
+    use_native: bool,
 ) -> None:
-    hasher = VllmHasher(block_size, algo, memo_blocks=capacity)
+    hasher = VllmHasher(block_size, algo, memo_blocks=capacity, use_native=use_native)
     for tokens, ns in requests * 2:  # the second pass reads what the first remembered
         assert hasher.hash_tokens(tokens, ns) == fresh_keys(hasher, tokens, ns)
         assert len(hasher.memo.digests) <= capacity
@@ -57,6 +65,7 @@ def test_memoised_keys_equal_fresh_ones_whatever_was_evicted(
     noise=st.lists(st.tuples(token_lists, namespaces), max_size=6),
     ns=namespaces,
     capacity=st.integers(0, 8),
+    use_native=implementations,
 )
 def test_extending_a_remembered_chain_equals_hashing_the_whole(
     head: list[int],
@@ -64,8 +73,9 @@ def test_extending_a_remembered_chain_equals_hashing_the_whole(
     noise: list[tuple[list[int], Namespace]],
     ns: Namespace,
     capacity: int,
+    use_native: bool,
 ) -> None:
-    hasher = VllmHasher(4, memo_blocks=capacity)
+    hasher = VllmHasher(4, memo_blocks=capacity, use_native=use_native)
     head = head[: len(head) // 4 * 4]
     first = hasher.hash_tokens(head, ns)
     for tokens, other in noise:  # other requests in between evict the memo's entries

@@ -9,7 +9,6 @@ Skipped where the extension is not built."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from array import array
 from pathlib import Path
@@ -19,7 +18,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.core.hashing import VLLM_HASH_ALGOS, Namespace, VllmHasher, event_hash
+from proxy.core.hashing import (
+    VLLM_HASH_ALGOS,
+    Namespace,
+    VllmHasher,
+    _cbor,
+    _pickle,
+    event_hash,
+)
 from tests.conftest import VLLM_VECTORS
 
 native = pytest.importorskip("proxy.core._native", reason="the C extension is not built")
@@ -84,8 +90,7 @@ def test_vllm_chain_from_any_block_and_any_parent(
     hasher = VllmHasher(block_size, algo, use_native=True)
     full = len(tokens) // block_size
     start = min(start, full)
-    first, lora = hasher._extras(ns, True)
-    encoded = hasher._encoded_extras(ns, True, first, lora)
+    encoded = hasher._encoded_extras(ns, True)
     assert encoded is not None
     digests = hasher.digests(tokens, ns)
     parent = digests[start - 1] if start else hasher._root
@@ -98,7 +103,7 @@ def test_vllm_chain_from_any_block_and_any_parent(
 
 def test_inputs_only_the_reference_encodes_are_declined() -> None:
     hasher = VllmHasher(4, use_native=True)
-    encoded = hasher._encoded_extras(Namespace("m"), True, None, None)
+    encoded = hasher._encoded_extras(Namespace("m"), True)
     assert encoded is not None
     root = hasher._root
     # bools and int subclasses pickle differently; negatives and ids past 64 bits do not fit
@@ -139,14 +144,27 @@ def test_vllm_vectors_through_c(case: dict[str, Any]) -> None:
         assert hasher._encoded[(ns.model, ns.lora_path, ns.cache_salt, True)] is not None
 
 
-@settings(max_examples=400, deadline=None)
-@given(st.binary(max_size=300))
-def test_sha256_in_c_is_hashlibs(data: bytes) -> None:
-    """vllm_chain's SHA-256 (libcrypto's, linked where setup.py finds it) against hashlib, over
-    every padding case (0-300 bytes)."""
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor"])
+def test_sha256_in_c_is_hashlibs(algo: str) -> None:
+    """vllm_chain's SHA-256 (libcrypto's, linked where setup.py finds it) against hashlib's, on
+    encoded blocks of every length modulo SHA-256's 64-byte block: every padding case."""
     if not native.SHA256_IN_C:
         pytest.skip("built without libcrypto: the sha256 algorithms are hashed in Python")
-    assert native.sha256_hook(data) == hashlib.sha256(data).digest()
+    encode = _cbor if algo.endswith("_cbor") else _pickle
+    residues = set()
+    for size in range(1, 70):
+        hasher = VllmHasher(size, algo, use_native=True)
+        encoded = hasher._encoded_extras(Namespace("m"), True)
+        assert encoded is not None
+        for token in (0, 256, 65_536, 2**31):  # each encoded in a different width
+            tokens = [token] * size
+            got = native.vllm_chain(
+                VLLM_HASH_ALGOS.index(algo), hasher._root, tokens, 0, 1, size, *encoded
+            )
+            assert got is not None
+            assert [d for _, d in got] == hasher.digests(tokens, Namespace("m"))
+            residues.add(len(encode((hasher._root, tuple(tokens), None))) % 64)
+    assert residues == set(range(64))
 
 
 def test_sha256_runs_in_c_where_libcrypto_is_installed() -> None:
