@@ -10,7 +10,6 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
-#include <math.h>
 #include <string.h>
 
 #define XXH_INLINE_ALL
@@ -267,9 +266,10 @@ static PyObject *chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs) 
     return keys;
 }
 
-/* Packs `count` Python ints into out as uint32; 0 when one is not an int in 0..2**32-1 (the
- * reference then packs 64-bit ids, or raises). */
-static int pack_ids(PyObject **items, Py_ssize_t count, uint32_t *out) {
+/* Packs `count` Python ints into out: uint32 when `max` is MAX_TOKEN_ID, else uint64. 0 when
+ * one is not an exact int in 0..max (a bool or an int subclass pickles differently; the
+ * reference decides then: it packs 64-bit ids, or raises). */
+static int pack_ids(PyObject **items, Py_ssize_t count, uint64_t max, void *out) {
     for (Py_ssize_t i = 0; i < count; i++) {
         if (!PyLong_CheckExact(items[i])) return 0;
         unsigned long long id = PyLong_AsUnsignedLongLong(items[i]);
@@ -277,19 +277,19 @@ static int pack_ids(PyObject **items, Py_ssize_t count, uint32_t *out) {
             PyErr_Clear();
             return 0;
         }
-        if (id > MAX_TOKEN_ID) return 0;
-        out[i] = (uint32_t)id;
+        if (id > max) return 0;
+        if (max == MAX_TOKEN_ID)
+            ((uint32_t *)out)[i] = (uint32_t)id;
+        else
+            ((uint64_t *)out)[i] = id;
     }
     return 1;
 }
 
-/* A chain continued past a prompt's last full block (FastHasher.extend_tail, the reference:
- * FastHasher.extend over list(prompt[start:]) + list(completion)): the ids prompt[start:]
- * (prompt an array('I') or any buffer of native uint32) then the completion's ints, packed
- * as uint32 and chained from `parent` in blocks of `block_size` ids. Returns the keys of the
- * full blocks, or None where the reference must decide: a completion id that is not an int in
- * 0..2**32-1 (the reference then packs 64-bit ids, or raises), or a prompt buffer whose length
- * is not whole uint32s. */
+/* extend_chain(prompt, start, completion, block_size, parent): FastHasher.extend over
+ * list(prompt[start:]) + list(completion) (prompt any buffer of native uint32, e.g. array('I'))
+ * without that list: the keys of the full blocks chained from `parent`, or None where the
+ * reference must decide (a completion id pack_ids refuses, a prompt not whole uint32s). */
 static PyObject *extend_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 5) {
         PyErr_SetString(PyExc_TypeError,
@@ -326,7 +326,8 @@ static PyObject *extend_chain(PyObject *self, PyObject *const *args, Py_ssize_t 
         goto done;
     }
     if (tail) memcpy(ids, (const char *)view.buf + start * 4, (size_t)tail * 4);
-    if (!pack_ids(PySequence_Fast_ITEMS(completion), generated, ids + tail)) goto fallback;
+    if (!pack_ids(PySequence_Fast_ITEMS(completion), generated, MAX_TOKEN_ID, ids + tail))
+        goto fallback;
     result = chained_keys((const char *)ids, total / block_size, (size_t)block_size * 4, parent);
     goto done;
 fallback:
@@ -339,15 +340,11 @@ done:
 }
 
 /* ---------------------------------------------------------------------------------------------
- * vLLM's exact block digests (proxy/core/hashing.py's VllmHasher.digests is the reference,
- * tests/unit/test_vllm_chain_native.py the twin tests). vLLM hashes each block as
- * H(encode((parent_digest, tuple(block_tokens), extra))): H sha256 or xxh3-128, encode pickle
- * (protocol 5) or canonical CBOR. In Python that is a tuple slice, a pickle.dumps and a hashlib
- * call per block. Here the encoding is written byte for byte as pickle /
- * cbor2 write it for this one shape -- a bytes, a tuple of non-negative ints, and `extra`, whose
- * encoding the caller passes pre-made (hashing.py's _encoded_extras: the bytes pickle / cbor2
- * write for it at that position, checked against the reference once per namespace) -- and
- * hashed with the SHA-256 below or the vendored XXH3-128.
+ * vLLM's exact block digests (the reference: hashing.py's VllmHasher.digests). vLLM hashes each
+ * block as H(encode((parent_digest, tuple(block_tokens), extra))), H sha256 or xxh3-128, encode
+ * pickle (protocol 5) or canonical CBOR. Here the encoding is written byte for byte as pickle /
+ * cbor2 write this one shape, `extra`'s bytes pre-made by the caller (hashing.py's
+ * _encoded_extras, checked against the reference once per namespace).
  * ------------------------------------------------------------------------------------------- */
 
 /* SHA-256 from OpenSSL's libcrypto, the library hashlib.sha256 itself calls (with its
@@ -466,64 +463,41 @@ static size_t vllm_encode(int algo, unsigned char *out, const unsigned char *par
     return (size_t)(p - out);
 }
 
-/* The ids of `tokens` as uint64: an array's buffer of 4- or 8-byte unsigned ids, or a list /
- * tuple of exact ints >= 0 that fit 64 bits. 0 done, 1 not such a sequence (the caller runs the
- * reference), -1 error. *ids is PyMem_Malloc'ed on 0. */
+/* The ids of `tokens` as uint64: an array('I'), or a list / tuple of exact ints that fit 64 bits.
+ * 0 done, 1 not such a sequence (the caller runs the reference), -1 error. *ids is
+ * PyMem_Malloc'ed on 0. */
 static int vllm_ids(PyObject *tokens, uint64_t **ids, Py_ssize_t *count) {
-    if (PyObject_TypeCheck(tokens, (PyTypeObject *)array_type)) {
-        Py_buffer view;
-        if (PyObject_GetBuffer(tokens, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) return -1;
-        const char *f = view.format ? view.format : "B";
-        int width = (strcmp(f, "I") == 0 && view.itemsize == 4) ? 4
-                    : ((strcmp(f, "L") == 0 || strcmp(f, "Q") == 0) && view.itemsize == 8) ? 8
-                                                                                          : 0;
-        if (width == 0) {
+    int packed = PyObject_TypeCheck(tokens, (PyTypeObject *)array_type);
+    Py_buffer view;
+    Py_ssize_t n;
+    if (packed) {
+        if (PyObject_GetBuffer(tokens, &view, PyBUF_FORMAT) < 0) return -1;
+        if (view.itemsize != 4 || strcmp(view.format, "I") != 0) {
             PyBuffer_Release(&view);
             return 1;
         }
-        Py_ssize_t n = view.len / width;
-        *ids = PyMem_Malloc(sizeof(uint64_t) * (size_t)(n ? n : 1));
-        if (*ids == NULL) {
-            PyBuffer_Release(&view);
-            PyErr_NoMemory();
-            return -1;
-        }
-        for (Py_ssize_t i = 0; i < n; i++) {
-            if (width == 4) {
-                uint32_t v;
-                memcpy(&v, (const char *)view.buf + 4 * i, 4);
-                (*ids)[i] = v;
-            } else {
-                memcpy(&(*ids)[i], (const char *)view.buf + 8 * i, 8);
-            }
-        }
-        PyBuffer_Release(&view);
-        *count = n;
-        return 0;
+        n = view.len / 4;
+    } else if (PyList_CheckExact(tokens) || PyTuple_CheckExact(tokens)) {
+        n = PySequence_Fast_GET_SIZE(tokens);
+    } else {
+        return 1;
     }
-    if (!PyList_CheckExact(tokens) && !PyTuple_CheckExact(tokens)) return 1;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(tokens);
-    PyObject **items = PySequence_Fast_ITEMS(tokens);
     *ids = PyMem_Malloc(sizeof(uint64_t) * (size_t)(n ? n : 1));
-    if (*ids == NULL) {
-        PyErr_NoMemory();
-        return -1;
+    int got = *ids == NULL ? -1 : 0;
+    if (got == 0 && packed) {
+        for (Py_ssize_t i = 0; i < n; i++) (*ids)[i] = ((const uint32_t *)view.buf)[i];
+    } else if (got == 0 && !pack_ids(PySequence_Fast_ITEMS(tokens), n, UINT64_MAX, *ids)) {
+        got = 1;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        unsigned long long v;
-        /* Exact ints only: a bool or an int subclass pickles differently. */
-        if (!PyLong_CheckExact(items[i]) ||
-            ((v = PyLong_AsUnsignedLongLong(items[i])) == (unsigned long long)-1 &&
-             PyErr_Occurred())) {
-            PyErr_Clear();
-            PyMem_Free(*ids);
-            *ids = NULL;
-            return 1;
-        }
-        (*ids)[i] = v;
+    if (packed) PyBuffer_Release(&view);
+    if (got == 0) {
+        *count = n;
+    } else {
+        PyMem_Free(*ids);
+        *ids = NULL;
+        if (got < 0) PyErr_NoMemory();
     }
-    *count = n;
-    return 0;
+    return got;
 }
 
 /* vllm_chain(algo, parent, tokens, start, stop, block_size, first_extra, extra)

@@ -3,14 +3,14 @@
 Token-id prompts (what TRL sends) are hashed exactly. Text prompts and chat messages, without a
 tokenizer, are cut into 4-byte pseudo-tokens of their UTF-8 bytes (about one BPE token per 4
 bytes of English): stable and prefix-preserving, which is all routing needs, but not vLLM's own
-block hashes (``RoutingKey.exact_tokens`` says which). A batch is routed on its first prompt:
+block hashes (``RoutingKey.tokens`` is None for them). A batch is routed on its first prompt:
 vLLM answers a batch as one response, so it goes to one replica.
 """
 
 from __future__ import annotations
 
 from array import array
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -45,10 +45,6 @@ class RoutingKey:
     num_prompts: int
 
     @property
-    def exact_tokens(self) -> bool:
-        return self.tokens is not None
-
-    @property
     def length(self) -> int:
         """Prompt length in tokens (or pseudo-tokens for text)."""
         if self.tokens is not None:
@@ -57,7 +53,7 @@ class RoutingKey:
         return (len(self.text) + 3) // 4
 
 
-def _namespace_part(value: str, param: str) -> str:
+def _namespace_part(value: str, param: str) -> None:
     """Model names and cache salts key the prefix namespace: they are joined with NUL (fast
     mode) and encoded as strict UTF-8 (exact mode's CBOR algorithms), so neither a NUL nor a
     lone surrogate (valid JSON: "\\ud800") may occur in them."""
@@ -68,41 +64,28 @@ def _namespace_part(value: str, param: str) -> str:
             value.encode("utf-8")
         except UnicodeEncodeError:
             raise InvalidRequest(f"'{param}' must be valid Unicode", param=param) from None
-    return value
-
-
-def _model_of(body: Mapping[str, Any]) -> str:
-    model = body.get("model")
-    if model is None:
-        return ""  # vLLM serves its first model; the empty namespace stands for the base model
-    if not isinstance(model, str):
-        raise InvalidRequest("'model' must be a string", param="model")
-    return _namespace_part(model, "model")
-
-
-def _salt_of(body: Mapping[str, Any]) -> str | None:
-    salt = body.get("cache_salt")
-    if salt is None:
-        return None
-    if not isinstance(salt, str) or not salt:
-        raise InvalidRequest("'cache_salt' must be a non-empty string", param="cache_salt")
-    return _namespace_part(salt, "cache_salt")
-
-
-def _stream_of(body: Mapping[str, Any]) -> bool:
-    stream = body.get("stream", False)
-    if stream is None:
-        return False
-    if not isinstance(stream, bool):
-        raise InvalidRequest("'stream' must be a boolean", param="stream")
-    return stream
 
 
 def _common(body: Any) -> tuple[str, str | None, bool]:
     """``model``, ``cache_salt`` and ``stream`` of any routed body, checked in that order."""
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
-    return _model_of(body), _salt_of(body), _stream_of(body)
+    model = body.get("model")
+    if model is None:
+        model = ""  # vLLM serves its first model; the empty namespace stands for the base model
+    elif not isinstance(model, str):
+        raise InvalidRequest("'model' must be a string", param="model")
+    else:
+        _namespace_part(model, "model")
+    salt = body.get("cache_salt")
+    if salt is not None:
+        if not isinstance(salt, str) or not salt:
+            raise InvalidRequest("'cache_salt' must be a non-empty string", param="cache_salt")
+        _namespace_part(salt, "cache_salt")
+    stream = body.get("stream", False)
+    if stream is not None and not isinstance(stream, bool):
+        raise InvalidRequest("'stream' must be a boolean", param="stream")
+    return model, salt, stream is True
 
 
 # Vocabularies are far below 2**32 ids (the largest today ~262k), and the fast hasher packs ids
@@ -129,26 +112,15 @@ def _has_bool(value: list[Any], packed: array[int]) -> bool:
     return False
 
 
-def pack_tokens(value: Any) -> array[int] | None:
-    """Token ids validated and packed as uint32 in one C pass, or None when ``value`` is not a
-    list of ids in [0, MAX_TOKEN_ID] (a float, string, negative or too-large id, or a JSON
-    boolean, which is a client bug rather than token 1/0). The array is what the router hashes,
-    so the ids are packed once per request: one C pass is cheaper than Python-level type and
-    range checks over every id."""
-    if not isinstance(value, list):
-        return None
+def _check_token_list(value: list[Any]) -> array[int]:
+    """Token ids validated and packed as uint32 in one C pass, cheaper than Python-level type and
+    range checks over every id; the array is what the router hashes. A float, string, negative
+    or too-large id is refused, and so is a JSON boolean (a client bug rather than token 1/0)."""
     try:
         packed = array("I", value)
     except (TypeError, OverflowError):
-        return None
-    if _has_bool(value, packed):
-        return None
-    return packed
-
-
-def _check_token_list(value: list[Any]) -> array[int]:
-    packed = pack_tokens(value)
-    if packed is None:
+        packed = None
+    if packed is None or _has_bool(value, packed):
         raise InvalidRequest(
             f"'prompt' token ids must be non-negative integers (at most {MAX_TOKEN_ID})",
             param="prompt",

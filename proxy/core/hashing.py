@@ -138,27 +138,26 @@ class FastHasher:
         return self.chain(data, width * self.block_size, self._seed(namespace))
 
     def extend(self, parent: int, tokens: Sequence[int], namespace: Namespace) -> list[int] | None:
-        return self._resume(parent, tokens)
+        return self.chain_tokens(tokens, parent)
 
-    def _resume(self, parent: int, tokens: Sequence[int]) -> list[int]:
-        # The chain's state *is* the previous key (it is the next block's seed).
+    def chain_tokens(self, tokens: Sequence[int], seed: int) -> list[int]:
+        """The keys of ``tokens``' full blocks chained from ``seed``: a chain's state *is* its
+        last key (the next block's seed)."""
         data, width = _token_bytes(tokens)
-        return self.chain(data, width * self.block_size, parent)
+        return self.chain(data, width * self.block_size, seed)
 
     def extend_tail(
         self, parent: int, prompt: Sequence[int], start: int, completion: Sequence[int]
     ) -> list[int]:
         """``extend(parent, prompt[start:] + completion)``: the chain continued past a prompt's
-        last full block (``parent``) through its tail and a completion (Router.record_completion).
-        In C when the extension runs and the prompt is packed (proxy/core/_native.c's
-        ``extend_chain``: no concatenated list, no Python ints re-packed); it answers None, and
-        this reference decides, for an id beyond 32 bits or one that is not an int."""
+        last full block (Router.record_completion); in C when the prompt is packed
+        (_native.c's ``extend_chain``), else, or where that declines, here."""
         extend_chain = self._extend_chain
         if extend_chain is not None and isinstance(prompt, array) and prompt.typecode == "I":
             keys = extend_chain(prompt, start, completion, self.block_size, parent)
             if keys is not None:
                 return keys
-        return self._resume(parent, list(prompt[start:]) + list(completion))
+        return self.chain_tokens(list(prompt[start:]) + list(completion), parent)
 
     def hash_text(self, text: bytes, namespace: Namespace) -> list[int]:
         # 4 bytes per pseudo-token: see proxy/core/extract.py for why.
@@ -245,9 +244,8 @@ class VllmHasher:
         # ``use_native`` allows (PROXY_NATIVE), so both implementations give the same keys.
         self._text = FastHasher(block_size, use_native)
         self.memo = ExactMemo(memo_blocks)
-        # vLLM's digests of the blocks the memo does not hold, in one C call per prompt
-        # (_native.c's vllm_chain: the same bytes encoded and hashed; ``digests`` stays the
-        # reference, tests/unit/test_vllm_chain_native.py compares them); None: in Python.
+        # vLLM's digests of the blocks the memo lacks, in one C call per prompt (_native.c's
+        # vllm_chain); None: in Python, as ``digests`` does.
         module = module_for(use_native)
         self._vllm_chain: Callable[..., list[tuple[int, bytes]] | None] | None = (
             module.vllm_chain if module is not None else None
@@ -297,8 +295,7 @@ class VllmHasher:
         prefix first and hashed only when not remembered; with the last block's digest and
         prefix-chain key (for ``extend``). Empty keys when no block is full."""
         # The fast mode's chain (seeded 0: the namespace is told apart by the memo's id).
-        data, width = _token_bytes(tokens)
-        chain = self._text.chain(data, width * self.block_size, parent[1] if parent else 0)
+        chain = self._text.chain_tokens(tokens, parent[1] if parent else 0)
         if not chain:
             return [], b"", 0
         memo = self.memo

@@ -31,16 +31,12 @@ def resolve(mode: str) -> bool:
     """Whether the extension runs under PROXY_NATIVE=``mode``; ``on`` without it is an error."""
     if mode not in NATIVE_MODES:
         raise ValueError(f"unknown native mode {mode!r}; one of {NATIVE_MODES}")
-    if mode == "off":
-        return False
-    if MODULE is None:
-        if mode == "on":
-            raise RuntimeError(
-                "PROXY_NATIVE=on but the C extension proxy.core._native is not built "
-                "(reinstall with a C compiler: make setup, or pip install -e .)"
-            )
-        return False
-    return True
+    if mode == "on" and MODULE is None:
+        raise RuntimeError(
+            "PROXY_NATIVE=on but the C extension proxy.core._native is not built "
+            "(reinstall with a C compiler: make setup, or pip install -e .)"
+        )
+    return mode != "off" and MODULE is not None
 
 
 def module_for(use_native: bool | None) -> ModuleType | None:
