@@ -604,7 +604,6 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__native(void) {
-    if (sizeof(uint32_t) != 4) return NULL;
     PyObject *array_module = PyImport_ImportModule("array");
     if (array_module == NULL) return NULL;
     array_type = PyObject_GetAttrString(array_module, "array");
@@ -613,7 +612,6 @@ PyMODINIT_FUNC PyInit__native(void) {
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     sha256_in_c = sha256_init();
-    /* Whether vllm_chain hashes the sha256 algorithms in C (libcrypto linked and working). */
     if (PyModule_AddIntConstant(m, "SHA256_IN_C", sha256_in_c) < 0) {
         Py_DECREF(m);
         return NULL;

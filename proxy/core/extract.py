@@ -171,14 +171,8 @@ def extract_completion(body: Any, tokenizer: Tokenizer | None = None) -> Routing
         )
     if text is not None and tokenizer is not None:
         tokens, text = tokenizer.encode_text(text), None
-    return RoutingKey(
-        model=model,
-        tokens=tokens,
-        text=text.encode("utf-8", "surrogatepass") if text is not None else None,
-        cache_salt=salt,
-        stream=stream,
-        num_prompts=count,
-    )
+    encoded = text.encode("utf-8", "surrogatepass") if text is not None else None
+    return RoutingKey(model, tokens, encoded, salt, stream, count)
 
 
 def extract_packed_completion(body: Any, tokens: array[int]) -> RoutingKey:

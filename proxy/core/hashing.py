@@ -90,12 +90,6 @@ def _chain(data: Packed, step: int, seed: int) -> list[int]:
     ]
 
 
-def _namespace_seed(namespace: Namespace) -> int:
-    # NUL separators: a model name cannot contain one, so fields cannot run into each other.
-    material = f"{namespace.model}\0{namespace.cache_salt or ''}\0{namespace.epoch}"
-    return int(xxhash.xxh3_64_intdigest(material.encode("utf-8", "surrogatepass")))
-
-
 # Chain seeds remembered per namespace: computing one (format, encode, hash) cost ~1.2 us on
 # every routed request, looking it up ~0.4. Bounded like the router's namespace cache (a fresh
 # cache salt per request is possible): emptied when full.
@@ -130,7 +124,10 @@ class FastHasher:
         if seed is None:
             if len(self._seeds) >= MAX_CACHED_SEEDS:
                 self._seeds.clear()
-            seed = self._seeds[namespace] = _namespace_seed(namespace)
+            # NUL separators: a model name cannot contain one, so fields cannot run into each other.
+            material = f"{namespace.model}\0{namespace.cache_salt or ''}\0{namespace.epoch}"
+            seed = xxhash.xxh3_64_intdigest(material.encode("utf-8", "surrogatepass"))
+            self._seeds[namespace] = seed
         return seed
 
     def hash_tokens(self, tokens: Sequence[int], namespace: Namespace) -> list[int]:
