@@ -1,4 +1,4 @@
-"""proxy/security.py's pure parts, table by table: planes, canonical paths, credentials, key
+"""proxy/security/'s pure parts, table by table: planes, canonical paths, credentials, key
 comparison, the adapter allow-list, prompt limits, redaction, settings and start-up posture."""
 
 from __future__ import annotations
@@ -14,22 +14,18 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
+from proxy.checks import is_loopback
 from proxy.core.extract import extract_chat, extract_completion
 from proxy.core.fleet import Fleet
 from proxy.errors import InvalidRequest
-from proxy.security import (
-    FALLBACK_MAX_PROMPT_TOKENS,
-    AdapterRoots,
-    KeyRing,
-    Plane,
-    PromptLimits,
+from proxy.security.adapter_roots import AdapterRoots
+from proxy.security.keys import KeyRing, credential_from
+from proxy.security.limits import FALLBACK_MAX_PROMPT_TOKENS, PromptLimits
+from proxy.security.planes import Plane, classify, path_problem
+from proxy.security.posture import posture
+from proxy.security.redaction import (
     RedactingFormatter,
-    classify,
-    credential_from,
     install_log_redaction,
-    is_loopback,
-    path_problem,
-    posture,
     redact,
     redact_text,
     secret_key,
