@@ -32,9 +32,12 @@ class KeyRing:
         if credential is None:
             return None
         digest = _digest(credential)
-        # Lists, not generators: every digest is compared, whichever matches.
-        is_admin = any([hmac.compare_digest(digest, k) for k in self._admin])
-        is_data = any([hmac.compare_digest(digest, k) for k in self._data])
+        is_admin = False
+        for k in self._admin:
+            is_admin |= hmac.compare_digest(digest, k)
+        is_data = False
+        for k in self._data:
+            is_data |= hmac.compare_digest(digest, k)
         if is_admin:
             return Plane.ADMIN
         return Plane.DATA if is_data else None
