@@ -55,7 +55,7 @@ class Decision:
     replica: int
     outcome: Outcome
     matched_blocks: int
-    blocks: tuple[int, ...] = ()  # the prompt's block keys, set by the router (for extension)
+    blocks: Sequence[int] = ()  # the prompt's block keys, set by the router (for extension)
 
 
 class Policy(Protocol):
@@ -334,18 +334,22 @@ class CostBased(RoundRobinTies):
         if not candidates:
             raise ValueError("no candidates")
         excess, fleet_capacity = self._projected_excess(candidates)
-        fewest_new = min(max(c.new_tokens, 0) for c in candidates) if excess > 0.0 else 0
-        if excess > 0.0 and self._holder_has_room(candidates, fewest_new):
-            costs = [
-                self.model.cost(
-                    c,
-                    duplicate_tokens=max(c.new_tokens, 0) - fewest_new,
-                    projected_waiting=excess * c.kv_capacity_tokens / fleet_capacity,
-                )
-                for c in candidates
-            ]
+        price = self.model.cost
+        if excess > 0.0:
+            fewest_new = min([max(c.new_tokens, 0) for c in candidates])
+            if self._holder_has_room(candidates, fewest_new):
+                costs = [
+                    price(
+                        c,
+                        max(c.new_tokens, 0) - fewest_new,
+                        excess * c.kv_capacity_tokens / fleet_capacity,
+                    )
+                    for c in candidates
+                ]
+            else:
+                costs = [price(c) for c in candidates]
         else:
-            costs = [self.model.cost(c) for c in candidates]
+            costs = [price(c) for c in candidates]
         # Some capacity unknown (fleet_capacity 0): no memory term is priced anywhere.
         own_wait = self._own_wait_beyond_fleet(candidates) if fleet_capacity else None
         if own_wait is not None:
@@ -360,8 +364,9 @@ class CostBased(RoundRobinTies):
         best_match = max([c.matched for c in candidates])
         if best_match == 0:
             return Decision(pick.replica, "unmatched", 0)
-        outcome: Outcome = "affinity" if pick.matched == best_match else "spilled"
-        return Decision(pick.replica, outcome, pick.matched)
+        return Decision(
+            pick.replica, "affinity" if pick.matched == best_match else "spilled", pick.matched
+        )
 
 
 POLICIES: dict[str, Callable[[float], Policy]] = {
