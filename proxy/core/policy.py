@@ -27,10 +27,9 @@ Outcome = Literal["affinity", "spilled", "unmatched"]
 OUTCOMES: tuple[Outcome, ...] = ("affinity", "spilled", "unmatched")
 
 
-# Candidate and Decision are built on every routed request (two candidates, one decision): plain
-# slotted dataclasses, not frozen ones, whose __init__ pays an object.__setattr__ call per field
-# (1.44 vs 0.57 us for a six-field Candidate, measured here). Nothing mutates them after the
-# router and the policy build them, except the router setting a decision's block keys.
+# Candidate and Decision are built on every routed request: plain slotted dataclasses, not
+# frozen ones, whose __init__ pays an object.__setattr__ call per field. Nothing mutates them
+# after the router and the policy build them, except the router setting a decision's block keys.
 @dataclass(slots=True)
 class Candidate:
     """One eligible replica as the policy sees it."""
@@ -222,12 +221,8 @@ CONCURRENCY_MEMORY_DECISIONS = 1024
 # flight (trainer/recipe.py ``max_inflight_tasks``, "one step's completions"). Without a prior
 # the start-up burst is priced blind: its first groups arrive while few requests are in flight,
 # and are split over empty replicas before the policy has seen how many will follow. A lower
-# concurrency replaces it as it decays (CONCURRENCY_MEMORY_DECISIONS). Ending it with the burst
-# instead (the burst's measured peak, 64, from the first decision after a request finished) was
-# measured and rejected: the groups that start after the burst split again (tight x2: 1.33
-# replicas per group, was 1.00; 4,682 / 4,806 tok/s against 4,841 / 5,067 on seeds 0 / 3), so
-# at the measured concurrency the projected term under-prices a copy, and the prior's slow decay
-# (to ~68 over a 650-request run) is doing work beyond the burst (bench/results/routing_r6.md).
+# concurrency replaces it as it decays (CONCURRENCY_MEMORY_DECISIONS); the prior keeps working
+# beyond the burst, so it is not dropped when the burst ends (docs/decisions/cost-policy.md).
 COLD_START_CONCURRENCY = 128.0
 
 

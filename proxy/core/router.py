@@ -32,7 +32,7 @@ from proxy.core.reach import specific
 
 # Namespaces kept ready to reuse, by (model, adapter path, cache salt, epoch): a run names a few
 # adapters, but a client may send a fresh cache salt per request, so the cache is emptied when it
-# reaches this size rather than grown (building one is ~2 us; the lookup ~0.1).
+# reaches this size rather than grown (building one costs ~20 lookups).
 MAX_CACHED_NAMESPACES = 1024
 
 # Names whose purge epoch we remember. Only purged names get an entry; a run publishes a few
@@ -192,8 +192,7 @@ class Router:
 
         A multi-turn rollout's next prompt is ``prompt + completion + tool output``; without
         this the continuation matches only the original prompt, and a request that was frozen
-        by a cache-clearing pause and finished afterwards would not be remembered at all
-        (bench/README.md measured most of the proxy's lost hits in these two cases)."""
+        by a cache-clearing pause and finished afterwards would not be remembered at all."""
         if key.tokens is None or not completion or not self.policy.uses_prefix:
             return
         bs = self.block_size
