@@ -29,7 +29,10 @@ class Tokenizer(Protocol):
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]: ...
 
 
-@dataclass(frozen=True, slots=True)
+# Built for every request: a plain slotted dataclass, not a frozen one, whose __init__ pays an
+# object.__setattr__ call per field (policy.py's Candidate and Decision likewise). Nothing
+# changes a key after extraction.
+@dataclass(slots=True)
 class RoutingKey:
     """Everything routing needs from one request.
 
