@@ -518,9 +518,7 @@ def fleet_snapshot(rt: Runtime) -> dict[str, Any]:
 
 
 def _replica_view(fleet: Fleet, replica: Replica) -> dict[str, Any]:
-    """One replica in /admin/fleet (what ``python -m proxy status`` shows): its description,
-    what it is waiting for, the desired adapters it lacks and the ones it holds beyond them,
-    the recent prefix-cache hit rate and, where the fleet records one, its weight version."""
+    """One replica in /admin/fleet (what ``python -m proxy status`` shows)."""
     view = describe(replica)
     plan = fleet.plan(replica)
     view["waiting_for"] = fleet.waiting_for(replica)

@@ -50,10 +50,8 @@ class Probes:
         return list(await asyncio.gather(*(one(r) for r in replicas)))
 
     async def health(self, strict: bool = False) -> tuple[int, dict[str, Any]]:
-        """/health: 200 while at least one replica answers its own /health and may take traffic
-        (503 otherwise); ``strict``: 200 only when every replica answers, is READY and holds the
-        desired state. The body names each replica's state and what it waits for. Rules:
-        docs/reliability-publish.md."""
+        """/health's status and body, each replica's state and what it waits for (rules:
+        docs/reliability-publish.md)."""
         fleet = self.fleet
         members = fleet.members()
         answers = await self._fan(members, "/health")
