@@ -75,24 +75,15 @@ class Probes:
             replicas[str(r.index)] = entry
         body: dict[str, Any] = {"serving": serving, "replicas": replicas}
         if strict and short:
-            return 503, {
-                "status": "not converged",
-                "message": f"replicas {short} are not ready in the desired state",
-                **body,
-            }
-        if not serving:
-            return 503, {
-                "status": "unavailable",
-                "message": f"no replica can serve (replicas {short} are not ready)",
-                **body,
-            }
-        if short:
-            return 200, {
-                "status": "degraded",
-                "message": f"replicas {serving} serve; replicas {short} are not ready",
-                **body,
-            }
-        return 200, {"status": "ok", **body}
+            verdict = 503, "not converged", f"replicas {short} are not ready in the desired state"
+        elif not serving:
+            verdict = 503, "unavailable", f"no replica can serve (replicas {short} are not ready)"
+        elif short:
+            verdict = 200, "degraded", f"replicas {serving} serve; replicas {short} are not ready"
+        else:
+            return 200, {"status": "ok", **body}
+        code, status, message = verdict
+        return code, {"status": status, "message": message, **body}
 
     def _serving(self) -> list[Replica]:
         serving = self.fleet.serving()
