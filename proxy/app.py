@@ -384,7 +384,8 @@ def _probe_routes(app: FastAPI, rt: Runtime) -> None:
 
 def _control_routes(app: FastAPI, rt: Runtime) -> None:
     """TRL's control calls (proxy/control.py) and its merged-weight sync, vLLM's weight
-    transfer to every replica (proxy/weight_sync.py). Each route is named after its path."""
+    transfer to every replica (proxy/weight_sync.py). A route's name, and so its OpenAPI
+    operation id, is its path's last segment."""
 
     def route(
         path: str,

@@ -85,20 +85,16 @@ class Probes:
         code, status, message = verdict
         return code, {"status": status, "message": message, **body}
 
-    def _serving(self) -> list[Replica]:
-        serving = self.fleet.serving()
-        if not serving:
-            states = ", ".join(f"{r.index}={r.status.value}" for r in self.fleet.members())
-            raise UpstreamUnavailable(f"no replica is in service ({states})", status_code=503)
-        return serving
-
     async def _json_all(
         self, path: str, params: str | None = None, timeout: httpx.Timeout | None = None
     ) -> list[tuple[Replica, dict[str, Any]]]:
         """The JSON-object answers of the serving replicas that gave one. Replicas that failed
         are left out while at least one answered (one dead replica must not fail TRL's probe);
         when none did, the error names each replica and its reason."""
-        serving = self._serving()
+        serving = self.fleet.serving()
+        if not serving:
+            states = ", ".join(f"{r.index}={r.status.value}" for r in self.fleet.members())
+            raise UpstreamUnavailable(f"no replica is in service ({states})", status_code=503)
         answers = await self._fan(serving, path, params, timeout)
         out: list[tuple[Replica, dict[str, Any]]] = []
         problems: list[str] = []
