@@ -1,8 +1,5 @@
-"""Checks shared by the settings (at start-up) and the security modules (per request).
-
-A leaf of the import graph: it imports nothing from the proxy, so ``proxy.settings`` and
-``proxy.security`` both use it without depending on each other.
-"""
+"""Checks shared by the settings (at start-up) and the security modules (per request); a leaf
+of the import graph, so ``proxy.settings`` does not depend on ``proxy.security``."""
 
 from __future__ import annotations
 

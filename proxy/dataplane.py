@@ -32,7 +32,6 @@ from proxy.metrics import Metrics
 from proxy.relay import Relay, Reply
 from proxy.security.guard import Guard
 from proxy.upstream import ReplicaBroken, ReplicaUnreachable
-from proxy.wire import send_whole
 
 if TYPE_CHECKING:
     from proxy.kv_events import KvEvents
@@ -47,6 +46,15 @@ RETRIED_STATUSES = frozenset({500, 502, 503})
 # Retry-After of the 503 for a model no replica can serve yet: one probe round (2 s) and a
 # load retry (PROXY_LORA_RETRY_S, 2 s) from now the fleet may have changed.
 NO_REPLICA_RETRY_AFTER_S = 2
+
+
+async def send_whole(
+    send: Any, status: int, headers: list[tuple[bytes, bytes]], body: bytes | memoryview
+) -> None:
+    """An answer sent whole as two ASGI messages (``headers`` include its content-length). Under
+    uvicorn a completion is answered by proxy/front.py in one write; this is the ASGI path's."""
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _relay_headers(
@@ -100,8 +108,8 @@ def _weights(fleet: Fleet, replica: Replica) -> bytes | None:
 def completion_token_ids(content: bytes) -> list[int] | None:
     """The generated ids of a one-choice completion answer, or None.
 
-    Only the ``token_ids`` array is parsed when it occurs once: the whole answer (logprobs
-    included) took ~9 us to parse per request where the array alone takes ~1. In JSON text the
+    Only the ``token_ids`` array is parsed when it occurs once: the whole answer, logprobs
+    included, costs several times more to parse than the array alone. In JSON text the
     bytes ``"token_ids"`` can only be a key (a quote inside a string is escaped), and
     ``"prompt_token_ids"`` does not contain them; a second occurrence (several choices, or the
     key nested elsewhere) falls back to parsing the whole answer and reading ``choices``."""

@@ -19,7 +19,7 @@ from prometheus_client.utils import floatToGoString
 
 # Buckets: proxy-side work is tens of microseconds to a few milliseconds; upstream calls are
 # milliseconds (probes) to minutes (3,000-token rollouts); adapter publishes are ~0.1 s (local
-# disk) to minutes (a lagging bucket mount; the published recipe's p50 was 8.5 s).
+# disk) to minutes (a lagging bucket mount; the published recipe's p50 is 8.5 s).
 PROXY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 0.01, 0.05, 0.25)
 UPSTREAM_BUCKETS = (0.005, 0.025, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
 PUBLISH_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)

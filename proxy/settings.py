@@ -1,8 +1,6 @@
 """All configuration in one pydantic-settings class: env prefix ``PROXY_``, every field also a
 CLI flag of ``rollout-proxy`` (``--upstream-token`` for ``PROXY_UPSTREAM_TOKEN``; CLI beats env).
-Tests construct ``Settings(replicas=[...])`` directly instead of patching the environment.
-
-Each default says how it was sized.
+Tests construct ``Settings(replicas=[...])`` directly. Each default says how it was sized.
 """
 
 from __future__ import annotations
@@ -38,12 +36,10 @@ REMOVED_SETTINGS: dict[str, str] = {
 # Values of a setting that the proxy no longer accepts, as "name=value" -> what to use instead;
 # consulted when a value is refused (proxy/app.py checks PROXY_POLICY against the core's
 # registry at start-up).
-REMOVED_VALUES: dict[str, str] = {
-    "policy=round_robin": "use PROXY_POLICY=cost (the default; it balances load by the cost "
-    "of each replica's queue)",
-    "policy=least_loaded": "use PROXY_POLICY=cost (the default; it balances load by the cost "
-    "of each replica's queue)",
-}
+_USE_COST = (
+    "use PROXY_POLICY=cost (the default; it balances load by the cost of each replica's queue)"
+)
+REMOVED_VALUES: dict[str, str] = {"policy=round_robin": _USE_COST, "policy=least_loaded": _USE_COST}
 
 
 def _flag(name: str) -> str:
@@ -134,14 +130,11 @@ class Settings(BaseSettings):
     policy: str = Field(
         "cost",
         description="Routing policy, by name from proxy/core/policy.py's POLICIES (an unknown "
-        "name stops start-up). cost: the replica where the request adds the least "
-        "prefill + decode time, plus the KV-memory wait it adds where a replica's cache cannot "
-        "hold its queue, and its own wait for memory where a replica's queue exceeds the "
-        "fleet's by more than a cache's turnover (proxy/core/policy.py, constants from H100 "
-        "figures). prefix: the published proxy's rule, affinity first until the in-flight gap "
-        "reaches PROXY_IMBALANCE. cost is the default: it matches or beats prefix on "
-        "throughput and balance across the routing benchmark, and wins where KV memory is "
-        "short (docs/decisions/cost-policy.md).",
+        "name stops start-up). cost: the replica where the request adds the least time "
+        "(prefill, decode and KV-memory waits; docs/routing.md). prefix: the published proxy's "
+        "rule, affinity first until the in-flight gap reaches PROXY_IMBALANCE. cost is the "
+        "default: it matches or beats prefix on throughput and balance across the routing "
+        "benchmark, and wins where KV memory is short (docs/decisions/cost-policy.md).",
     )
     hash_mode: Literal["fast", "exact"] = Field(
         "fast",
@@ -228,15 +221,13 @@ class Settings(BaseSettings):
     )
     native: Literal["auto", "on", "off"] = Field(
         "auto",
-        description="The pure primitives of a token-id completion (scan and pack the prompt "
-        "from the request bytes; chain its block hashes, XXH3 or vLLM's exact digests, and "
-        "continue the chain through a finished completion) in the C extension "
-        "proxy.core._native, or in their pure-Python reference; every routing decision is "
-        "Python either way. auto: the extension when it is built (pip install / make setup "
-        "compile it when a C compiler is present); on: refuse to start without it; off: the "
-        "reference. Same keys and routing either way; auto is the default because the "
-        "extension costs less CPU per request (bench/results/overhead.md, proxy vs "
-        "proxy-python).",
+        description="The pure primitives of a token-id completion (prompt scan and pack, "
+        "block-chain hashing) in the C extension proxy.core._native, or in their pure-Python "
+        "reference; routing decisions, keys and routes are the same either way "
+        "(docs/decisions/compiled-primitives.md). auto: the extension when it is built (pip "
+        "install / make setup compile it when a C compiler is present); on: refuse to start "
+        "without it; off: the reference. auto is the default because the extension costs less "
+        "CPU per request (bench/results/overhead.md, proxy vs proxy-python).",
     )
     shutdown_grace_s: float = Field(
         20,
@@ -412,7 +403,8 @@ class Settings(BaseSettings):
         return value
 
     @model_validator(mode="after")
-    def _check_exposure(self) -> Settings:
+    def _check_together(self) -> Settings:
+        """Rules across fields, and the fallbacks that fill fields from others."""
         if self.upstream_ca_bundle and self.upstream_insecure:
             raise ValueError("PROXY_UPSTREAM_CA_BUNDLE and PROXY_UPSTREAM_INSECURE contradict")
         if not (self.api_keys or self.admin_keys or self.allow_unauthenticated) and not (
@@ -422,6 +414,19 @@ class Settings(BaseSettings):
                 f"refusing to listen on {self.host!r} without keys: set PROXY_API_KEYS and "
                 "PROXY_ADMIN_KEYS, or PROXY_ALLOW_UNAUTHENTICATED=true if a private network "
                 "or another gateway already restricts who can reach this port"
+            )
+        if self.kv_events and self.hash_mode != "exact":
+            if "hash_mode" in self.model_fields_set:
+                raise ValueError(
+                    "PROXY_KV_EVENTS needs PROXY_HASH_MODE=exact: events carry vLLM's own "
+                    "block hashes, which only the exact mode computes"
+                )
+            self.hash_mode = "exact"
+        if self.upstream_token is None and os.environ.get("HF_TOKEN"):
+            self.upstream_token = SecretStr(os.environ["HF_TOKEN"])
+        if len(self.replicas) > self.max_replicas:
+            raise ValueError(
+                f"{len(self.replicas)} replicas exceed max_replicas={self.max_replicas}"
             )
         return self
 
@@ -445,27 +450,6 @@ class Settings(BaseSettings):
                         f"KV events endpoint {endpoint!r} must be tcp://host:port or ipc://path"
                     )
         return value
-
-    @model_validator(mode="after")
-    def _kv_events_need_exact_hashes(self) -> Settings:
-        if self.kv_events and self.hash_mode != "exact":
-            if "hash_mode" in self.model_fields_set:
-                raise ValueError(
-                    "PROXY_KV_EVENTS needs PROXY_HASH_MODE=exact: events carry vLLM's own "
-                    "block hashes, which only the exact mode computes"
-                )
-            self.hash_mode = "exact"
-        return self
-
-    @model_validator(mode="after")
-    def _fallbacks(self) -> Settings:
-        if self.upstream_token is None and os.environ.get("HF_TOKEN"):
-            self.upstream_token = SecretStr(os.environ["HF_TOKEN"])
-        if len(self.replicas) > self.max_replicas:
-            raise ValueError(
-                f"{len(self.replicas)} replicas exceed max_replicas={self.max_replicas}"
-            )
-        return self
 
     def secrets(self) -> list[str]:
         """Every secret the settings hold: the upstream token and all inbound keys."""

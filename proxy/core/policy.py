@@ -27,10 +27,9 @@ Outcome = Literal["affinity", "spilled", "unmatched"]
 OUTCOMES: tuple[Outcome, ...] = ("affinity", "spilled", "unmatched")
 
 
-# Candidate and Decision are built on every routed request (two candidates, one decision): plain
-# slotted dataclasses, not frozen ones, whose __init__ pays an object.__setattr__ call per field
-# (1.44 vs 0.57 us for a six-field Candidate, measured here). Nothing mutates them after the
-# router and the policy build them, except the router setting a decision's block keys.
+# Candidate and Decision are built on every routed request: plain slotted dataclasses, not
+# frozen ones, whose __init__ pays an object.__setattr__ call per field. Nothing mutates them
+# after the router and the policy build them, except the router setting a decision's block keys.
 @dataclass(slots=True)
 class Candidate:
     """One eligible replica as the policy sees it."""
@@ -55,7 +54,7 @@ class Decision:
     replica: int
     outcome: Outcome
     matched_blocks: int
-    blocks: tuple[int, ...] = ()  # the prompt's block keys, set by the router (for extension)
+    blocks: Sequence[int] = ()  # the prompt's block keys, set by the router (for extension)
 
 
 class Policy(Protocol):
@@ -222,12 +221,8 @@ CONCURRENCY_MEMORY_DECISIONS = 1024
 # flight (trainer/recipe.py ``max_inflight_tasks``, "one step's completions"). Without a prior
 # the start-up burst is priced blind: its first groups arrive while few requests are in flight,
 # and are split over empty replicas before the policy has seen how many will follow. A lower
-# concurrency replaces it as it decays (CONCURRENCY_MEMORY_DECISIONS). Ending it with the burst
-# instead (the burst's measured peak, 64, from the first decision after a request finished) was
-# measured and rejected: the groups that start after the burst split again (tight x2: 1.33
-# replicas per group, was 1.00; 4,682 / 4,806 tok/s against 4,841 / 5,067 on seeds 0 / 3), so
-# at the measured concurrency the projected term under-prices a copy, and the prior's slow decay
-# (to ~68 over a 650-request run) is doing work beyond the burst (bench/results/routing_r6.md).
+# concurrency replaces it as it decays (CONCURRENCY_MEMORY_DECISIONS); the prior keeps working
+# beyond the burst, so it is not dropped when the burst ends (docs/decisions/cost-policy.md).
 COLD_START_CONCURRENCY = 128.0
 
 
@@ -334,18 +329,22 @@ class CostBased(RoundRobinTies):
         if not candidates:
             raise ValueError("no candidates")
         excess, fleet_capacity = self._projected_excess(candidates)
-        fewest_new = min(max(c.new_tokens, 0) for c in candidates) if excess > 0.0 else 0
-        if excess > 0.0 and self._holder_has_room(candidates, fewest_new):
-            costs = [
-                self.model.cost(
-                    c,
-                    duplicate_tokens=max(c.new_tokens, 0) - fewest_new,
-                    projected_waiting=excess * c.kv_capacity_tokens / fleet_capacity,
-                )
-                for c in candidates
-            ]
+        price = self.model.cost
+        if excess > 0.0:
+            fewest_new = min([max(c.new_tokens, 0) for c in candidates])
+            if self._holder_has_room(candidates, fewest_new):
+                costs = [
+                    price(
+                        c,
+                        max(c.new_tokens, 0) - fewest_new,
+                        excess * c.kv_capacity_tokens / fleet_capacity,
+                    )
+                    for c in candidates
+                ]
+            else:
+                costs = [price(c) for c in candidates]
         else:
-            costs = [self.model.cost(c) for c in candidates]
+            costs = [price(c) for c in candidates]
         # Some capacity unknown (fleet_capacity 0): no memory term is priced anywhere.
         own_wait = self._own_wait_beyond_fleet(candidates) if fleet_capacity else None
         if own_wait is not None:
@@ -360,8 +359,9 @@ class CostBased(RoundRobinTies):
         best_match = max([c.matched for c in candidates])
         if best_match == 0:
             return Decision(pick.replica, "unmatched", 0)
-        outcome: Outcome = "affinity" if pick.matched == best_match else "spilled"
-        return Decision(pick.replica, outcome, pick.matched)
+        return Decision(
+            pick.replica, "affinity" if pick.matched == best_match else "spilled", pick.matched
+        )
 
 
 POLICIES: dict[str, Callable[[float], Policy]] = {

@@ -32,7 +32,7 @@ from proxy.core.reach import specific
 
 # Namespaces kept ready to reuse, by (model, adapter path, cache salt, epoch): a run names a few
 # adapters, but a client may send a fresh cache salt per request, so the cache is emptied when it
-# reaches this size rather than grown (building one is ~2 us; the lookup ~0.1).
+# reaches this size rather than grown (building one costs ~20 lookups).
 MAX_CACHED_NAMESPACES = 1024
 
 # Names whose purge epoch we remember. Only purged names get an entry; a run publishes a few
@@ -116,15 +116,16 @@ class Router:
         if not policy.uses_prefix:
             return policy.choose([Candidate(r, load, 0) for r, load in loads])
         tokens = key.tokens
+        hasher = self.hasher
         namespace = self.namespace(key, lora_path)
         if tokens is not None:
-            blocks = self.hasher.hash_tokens(tokens, namespace)
+            blocks = hasher.hash_tokens(tokens, namespace)
             length = len(tokens)
         else:
             assert key.text is not None
-            blocks = self.hasher.hash_text(key.text, namespace)
+            blocks = hasher.hash_text(key.text, namespace)
             length = key.length
-        bs = self.hasher.block_size
+        bs = hasher.block_size
         # vLLM always recomputes the last prompt token, so at most (len-1)//bs blocks can hit.
         matchable = (length - 1) // bs if length else 0
         # One lookup of every block: scoring reads the matchable ones, recording reuses them all.
@@ -139,27 +140,30 @@ class Router:
             event_keys = self._event_keys(key, lora_path, blocks[:matchable])
             reach, common = precise.reach(index, values[:matchable], event_keys, replicas)
         capacity = self.kv_capacity_tokens
-        candidates = []
-        for r, load in loads:
-            d = reach[r]
-            # With KV events, prefill is priced from what this replica reports holding (its
-            # reach): a preamble common because it branches (rule 2) may have been evicted
-            # there, and is then prefilled again (kv_events.md, section 2). The index cannot see
-            # evictions and prices the common preamble as held everywhere: that is what spreads
-            # new prompts sharing a system prompt over the fleet instead of sending each one
-            # after the first (priced as missing where never sent, 12 groups in a row went to
-            # one of 2 idle replicas: test_group_of_eight_lands_on_one_replica...).
-            if d > common:
-                matched, held = d - common, d
-            else:
-                matched, held = 0, d if precise is not None else common
-            candidates.append(
-                Candidate(r, load, matched, length - held * bs, length, capacity.get(r, 0))
+        # What a replica holds beyond the common preamble is its match. With KV events,
+        # prefill is priced from what this replica reports holding (its reach): a preamble
+        # common because it branches (rule 2) may have been evicted there, and is then
+        # prefilled again (kv_events.md, section 2). The index cannot see evictions and prices
+        # the common preamble as held everywhere: that is what spreads new prompts sharing a
+        # system prompt over the fleet instead of sending each one after the first (priced as
+        # missing where never sent, 12 groups in a row went to one of 2 idle replicas:
+        # test_group_of_eight_lands_on_one_replica...).
+        floor = -1 if precise is not None else common
+        candidates = [
+            Candidate(
+                r,
+                load,
+                reach[r] - common if reach[r] > common else 0,
+                length - (reach[r] if reach[r] > floor else common) * bs,
+                length,
+                capacity.get(r, 0),
             )
+            for r, load in loads
+        ]
         decision = policy.choose(candidates)
         index.record(blocks, decision.replica, values)
         # The policy's decision is a fresh object of this request's: completed in place.
-        decision.blocks = tuple(blocks)
+        decision.blocks = blocks
         if precise is not None:
             precise.routed(decision, decision.replica)
         return decision
@@ -188,8 +192,7 @@ class Router:
 
         A multi-turn rollout's next prompt is ``prompt + completion + tool output``; without
         this the continuation matches only the original prompt, and a request that was frozen
-        by a cache-clearing pause and finished afterwards would not be remembered at all
-        (bench/README.md measured most of the proxy's lost hits in these two cases)."""
+        by a cache-clearing pause and finished afterwards would not be remembered at all."""
         if key.tokens is None or not completion or not self.policy.uses_prefix:
             return
         bs = self.block_size

@@ -9,11 +9,9 @@ from proxy.errors import InvalidRequest
 
 
 class AdapterRoots:
-    """``PROXY_ADAPTER_ROOTS``: the directories adapters may be loaded from, checked on the
-    string before any replica sees the load. The path must be absolute, free of control
-    characters and of '..' segments (on the replica '/roots/link/..' is the parent of wherever
-    'link' points, so normalising '..' is unsound with symlinks); the rest is normalised and
-    must equal or lie below a root. Why each rule: docs/security.md."""
+    """Checked on the string before any replica sees the load: absolute, no control characters,
+    no '..' segments (normalising '..' is unsound with symlinks on the replica); the rest is
+    normalised and must equal or lie below a root. Why each rule: docs/security.md."""
 
     def __init__(self, roots: Sequence[str]) -> None:
         self.roots = tuple(normalize_root(r) for r in roots)

@@ -1,6 +1,6 @@
-"""The inbound guard: header size, canonical path, key and body size, checked before anything
-else runs; and the last-line masking of the upstream token in responses. ``Guard.check_head``
-is shared by the ASGI middleware (FastAPI's routes) and the data path (proxy/hotpath.py)."""
+"""The inbound guard (header size, canonical path, key, body size) and the last-line masking of
+the upstream token in responses, shared by the ASGI middleware (FastAPI's routes) and the data
+path (proxy/hotpath.py). Order and reasons: docs/security.md."""
 
 from __future__ import annotations
 
@@ -50,11 +50,9 @@ class Guard:
         )
 
     def check_data_route_head(self, scope: Scope) -> ProxyError | None:
-        """``check_head`` for a request whose path the caller matched exactly against one of
-        the proxy's own canonical data-plane routes (proxy/front.py's completions): the path
-        checks are known to pass, the plane is DATA; the rest is checked alike, in order. The
-        two headers it reads are picked up by the one pass that sizes the headers (the first
-        of each, as ``header`` finds them), not by two more walks over them."""
+        """``check_head`` for a path the caller matched exactly against one of the proxy's own
+        canonical data-plane routes: the path checks pass, the plane is DATA. The one pass that
+        sizes the headers also picks up the first of the two headers it reads."""
         size = len(scope["raw_path"])
         authorization = declared = None
         for k, v in scope["headers"]:
@@ -125,9 +123,8 @@ def error_response_parts(err: ProxyError) -> tuple[int, list[tuple[bytes, bytes]
 
 class SecurityMiddleware:
     """Pure ASGI (BaseHTTPMiddleware buffers and re-wraps streamed responses): ``check_head``,
-    then the body is counted as it streams in (413 as soon as it passes the limit, so an
-    unbounded body is never buffered); the upstream token is masked out of responses as a last
-    line of defence. Order and reasons: docs/security.md."""
+    then the body counted as it streams in (413 once it passes the limit), and the upstream
+    token masked out of responses."""
 
     def __init__(
         self,

@@ -15,10 +15,8 @@ FALLBACK_MAX_PROMPT_TOKENS = 1 << 20
 
 
 class PromptLimits:
-    """Prompt count and prompt length, checked after parsing and before routing. Length is
-    checked on token ids only (text without a tokenizer is bounded by the body size: no
-    bytes-per-token ratio is safe for every vocabulary); the bound is the replicas' smallest
-    max_model_len unless set. Why: docs/security.md."""
+    """Prompt count and prompt length, checked after parsing and before routing; length on
+    token ids only, against the replicas' smallest max_model_len unless set (docs/security.md)."""
 
     def __init__(
         self,

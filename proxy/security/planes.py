@@ -47,9 +47,8 @@ _PLAIN_PATH = re.compile(r"/|(?:/[A-Za-z0-9_-]+(?:[.~][A-Za-z0-9_-]+)*)+")
 
 
 def path_problem(path: str, raw_path: bytes | None = None) -> str | None:
-    """Why ``path`` is not in canonical form, or None. Non-canonical paths are refused rather
-    than normalised: the proxy, Starlette's router and the replica (after httpx re-encodes the
-    URL) must all see the same path, or the plane check means nothing."""
+    """Why ``path`` is not in canonical form, or None. Refused rather than normalised, so the
+    proxy, Starlette and the replica all see the same path (docs/security.md)."""
     if _PLAIN_PATH.fullmatch(path) and (raw_path is None or raw_path == path.encode()):
         return None  # the common case (every path TRL and OpenAI clients use), one regex
     if not path.startswith("/"):

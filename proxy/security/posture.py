@@ -19,57 +19,35 @@ def posture(
 ) -> list[tuple[int, str]]:
     """The start-up log lines (level, message) that say how exposed the proxy is, from where it
     listens, how many data and admin keys it has, its adapter roots and its TLS posture."""
-    lines: list[tuple[int, str]] = []
-    keys = bool(data_keys or admin_keys)
-    where = f"{host}:{port}"
-    if not keys:
-        if is_loopback(host):
-            lines.append(
-                (
-                    logging.INFO,
-                    f"no PROXY_API_KEYS/PROXY_ADMIN_KEYS: listening on loopback only ({where}); "
-                    "every endpoint is open to local processes",
-                )
-            )
-        else:
-            lines.append(
-                (
-                    logging.WARNING,
-                    f"no PROXY_API_KEYS/PROXY_ADMIN_KEYS and listening on {where} "
-                    "(PROXY_ALLOW_UNAUTHENTICATED=true): anyone who reaches this port can load "
-                    "adapters, pause the fleet and spend the upstream token",
-                )
-            )
-    else:
-        lines.append(
-            (
-                logging.INFO,
-                f"inbound auth on ({data_keys} data key(s), "
-                f"{admin_keys} admin key(s)); /health and /metrics stay open",
-            )
+    local = is_loopback(host)
+    if data_keys or admin_keys:
+        keys = f"{data_keys} data key(s), {admin_keys} admin key(s)"
+        lines = [(logging.INFO, f"inbound auth on ({keys}); /health and /metrics stay open")]
+    elif local:
+        message = (
+            f"no PROXY_API_KEYS/PROXY_ADMIN_KEYS: listening on loopback only ({host}:{port}); "
+            "every endpoint is open to local processes"
         )
-        if not admin_keys:
-            lines.append(
-                (
-                    logging.WARNING,
-                    "PROXY_API_KEYS without PROXY_ADMIN_KEYS: control-plane endpoints (adapter "
-                    "load, pause, resume) refuse every caller with 403",
-                )
-            )
+        lines = [(logging.INFO, message)]
+    else:
+        message = (
+            f"no PROXY_API_KEYS/PROXY_ADMIN_KEYS and listening on {host}:{port} "
+            "(PROXY_ALLOW_UNAUTHENTICATED=true): anyone who reaches this port can load "
+            "adapters, pause the fleet and spend the upstream token"
+        )
+        lines = [(logging.WARNING, message)]
+    if data_keys and not admin_keys:
+        message = (
+            "PROXY_API_KEYS without PROXY_ADMIN_KEYS: control-plane endpoints (adapter load, "
+            "pause, resume) refuse every caller with 403"
+        )
+        lines.append((logging.WARNING, message))
     if adapter_roots:
         lines.append((logging.INFO, f"adapters may be loaded from: {', '.join(adapter_roots)}"))
     else:
-        lines.append(
-            (
-                logging.INFO if is_loopback(host) else logging.WARNING,
-                "PROXY_ADAPTER_ROOTS is not set: any lora_path is passed to the replicas",
-            )
-        )
+        message = "PROXY_ADAPTER_ROOTS is not set: any lora_path is passed to the replicas"
+        lines.append((logging.INFO if local else logging.WARNING, message))
     if upstream_insecure:
-        lines.append(
-            (
-                logging.WARNING,
-                "PROXY_UPSTREAM_INSECURE=true: replicas' TLS certificates are NOT verified",
-            )
-        )
+        message = "PROXY_UPSTREAM_INSECURE=true: replicas' TLS certificates are NOT verified"
+        lines.append((logging.WARNING, message))
     return lines

@@ -26,7 +26,7 @@ def scrub(text: str, secrets: Iterable[str]) -> str:
 
 class RedactingFormatter(logging.Formatter):
     """Wraps a handler's formatter and removes secrets from the finished line (message,
-    arguments and traceback alike). Defence in depth: nothing logs headers or the token."""
+    arguments and traceback alike)."""
 
     def __init__(self, inner: logging.Formatter, secrets: Sequence[str]) -> None:
         super().__init__()
@@ -104,9 +104,8 @@ def redact_text(text: str, secrets: Iterable[str] = ()) -> str:
 
 def redact(value: Any, secrets: Sequence[str] = (), *, inside_secret: bool = False) -> Any:
     """Deep copy of a JSON value (a replica's /server_info) fit to echo: every non-empty string
-    under a secret-named key is replaced (numbers, booleans and nulls are kept: "hf_token": null
-    is not a leak, and "max_num_batched_tokens" is not a secret), and every other string is
-    cleaned by ``redact_text`` (the upstream token, env-dump assignments, bearer credentials)."""
+    under a secret-named key is replaced (other scalars are kept: "hf_token": null is no leak),
+    and every other string is cleaned by ``redact_text``."""
     if isinstance(value, dict):
         return {
             k: redact(

@@ -24,7 +24,10 @@ from proxy.core.policy import make_policy
 from proxy.core.prefix_index import PrefixIndex
 from proxy.core.router import Router
 from proxy.errors import InvalidRequest
-from proxy.security import AdapterRoots, credential_from, path_problem, redact
+from proxy.security.adapter_roots import AdapterRoots
+from proxy.security.keys import credential_from
+from proxy.security.planes import path_problem
+from proxy.security.redaction import redact
 
 FAST = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 SLOW = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,4 +1,4 @@
-"""proxy/security.py's pure parts, table by table: planes, canonical paths, credentials, key
+"""proxy/security/'s pure parts, table by table: planes, canonical paths, credentials, key
 comparison, the adapter allow-list, prompt limits, redaction, settings and start-up posture."""
 
 from __future__ import annotations
@@ -14,22 +14,18 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
+from proxy.checks import is_loopback
 from proxy.core.extract import extract_chat, extract_completion
 from proxy.core.fleet import Fleet
 from proxy.errors import InvalidRequest
-from proxy.security import (
-    FALLBACK_MAX_PROMPT_TOKENS,
-    AdapterRoots,
-    KeyRing,
-    Plane,
-    PromptLimits,
+from proxy.security.adapter_roots import AdapterRoots
+from proxy.security.keys import KeyRing, credential_from
+from proxy.security.limits import FALLBACK_MAX_PROMPT_TOKENS, PromptLimits
+from proxy.security.planes import Plane, classify, path_problem
+from proxy.security.posture import posture
+from proxy.security.redaction import (
     RedactingFormatter,
-    classify,
-    credential_from,
     install_log_redaction,
-    is_loopback,
-    path_problem,
-    posture,
     redact,
     redact_text,
     secret_key,
@@ -174,11 +170,11 @@ def test_key_comparison_is_digest_based_and_never_stops_early(monkeypatch) -> No
         return real(a, b)
 
     monkeypatch.setattr(security.hmac, "compare_digest", spy)
-    ring = KeyRing([DATA_KEY, "another-data-key-000000"], [ADMIN_KEY])
+    ring = KeyRing([DATA_KEY, "another-data-key-000000"], [ADMIN_KEY, "another-admin-key-00000"])
     for presented in (ADMIN_KEY, DATA_KEY, "x", "wrong" * 100):
         calls.clear()
         ring.role(presented)
-        assert calls == [(32, 32)] * 3, presented
+        assert calls == [(32, 32)] * 4, presented
     assert hashlib.sha256(DATA_KEY.encode()).digest_size == 32
 
 
@@ -499,11 +495,13 @@ def test_posture_lines() -> None:
     assert loopback[0][0] == logging.INFO and "loopback only" in loopback[0][1]
     exposed = _lines(host="0.0.0.0", allow_unauthenticated=True)
     assert exposed[0][0] == logging.WARNING and "anyone who reaches" in exposed[0][1]
+    assert not any("403" in m for _, m in loopback + exposed)  # no keys: nothing refuses
     assert any(lvl == logging.WARNING and "PROXY_ADAPTER_ROOTS" in m for lvl, m in exposed)
     keyed = _lines(api_keys=DATA_KEY, admin_keys=ADMIN_KEY, adapter_roots="/bucket")
     assert "1 data key(s), 1 admin key(s)" in keyed[0][1]
     assert any("/bucket" in m for _, m in keyed)
     assert all(DATA_KEY not in m and ADMIN_KEY not in m for _, m in keyed)
+    assert not any("403" in m for _, m in keyed)
     data_only = _lines(api_keys=DATA_KEY)
     assert any(lvl == logging.WARNING and "403" in m for lvl, m in data_only)
     insecure = _lines(upstream_insecure=True)

@@ -13,7 +13,8 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from proxy.security import Guard, KeyRing, SecurityMiddleware
+from proxy.security.guard import Guard, SecurityMiddleware
+from proxy.security.keys import KeyRing
 
 DATA_KEY = "data-key-0123456789abcdef"
 ADMIN_KEY = "admin-key-0123456789abcdef"

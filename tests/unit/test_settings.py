@@ -1,5 +1,5 @@
 """Settings as the leaf of the import graph, removed settings refused with their replacement,
-and the policy name checked at start-up against the core's registry."""
+the policy name checked at start-up against the core's registry, and the cross-field rules."""
 
 from __future__ import annotations
 
@@ -113,3 +113,14 @@ def test_main_reports_a_bad_policy_without_a_traceback(monkeypatch) -> None:
     with pytest.raises(SystemExit) as info:
         main(["--replicas", REPLICA, "--policy", "fastest"])
     assert str(info.value.code).startswith("rollout-proxy: invalid configuration: PROXY_POLICY")
+
+
+def test_cross_field_rules_and_fallbacks(monkeypatch) -> None:
+    monkeypatch.setenv("HF_TOKEN", "hf-token-from-the-environment")
+    assert Settings(replicas=[REPLICA]).secrets() == ["hf-token-from-the-environment"]
+    given = Settings(replicas=[REPLICA], upstream_token="own-token-0123456789")
+    assert given.secrets() == ["own-token-0123456789"]  # a given token wins over HF_TOKEN
+    urls = [f"http://127.0.0.1:{port}" for port in (1, 2, 3)]
+    assert len(Settings(replicas=urls, max_replicas=3).replicas) == 3
+    with pytest.raises(ValidationError, match="3 replicas exceed max_replicas=2"):
+        Settings(replicas=urls, max_replicas=2)
