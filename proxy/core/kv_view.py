@@ -2,12 +2,10 @@
 
 ``ReplicaView`` keeps one replica's cached block keys (the low 64 bits of vLLM's block digests,
 which ``proxy.core.hashing.VllmHasher`` reproduces) and decides from sequence numbers alone
-whether they are the whole truth (``live``). ``PreciseMatcher`` turns the views into the
-per-replica specific-prefix lengths the router computes from its index: a replica with a live
-view is scored by what it holds, every other by what the proxy sent it. Every field of a batch is
-untrusted: a malformed batch is counted and skipped, and drops the view (it may have held a
-removal) until the next resynchronisation point: sequence 0, ``AllBlocksCleared``, or a replay
-that fills a gap exactly. docs/kv-events.md describes the model.
+whether they are the whole truth (``live``). ``PreciseMatcher`` scores a replica with a live
+view by what it holds, every other by what the proxy sent it. Every field of a batch is
+untrusted: a malformed batch is counted, skipped, and drops the view until the next
+resynchronisation point. docs/kv-events.md describes the model.
 """
 
 from __future__ import annotations
@@ -68,19 +66,16 @@ class MalformedBatch(ValueError):
 
 
 class KvEvent(NamedTuple):
-    """One parsed event; a named tuple built by ``tuple.__new__`` (~130 per routed request under
-    memory pressure, so its construction cost matters)."""
+    """One parsed event (~130 per routed request under memory pressure: built by
+    ``tuple.__new__``, without the named tuple's Python frame)."""
 
     kind: str  # STORED, REMOVED or CLEARED
     keys: tuple[int, ...] = ()
 
 
-_new_tuple = tuple.__new__
-
-
 class BlockEvent(Protocol):
-    """What the view reads of an event: a ``KvEvent``, or a typed decoder's struct with the same
-    two attributes (proxy/kv_events.py), so a batch need not be copied into tuples."""
+    """What the view reads of an event: a ``KvEvent``, or the typed decoder's struct
+    (proxy/kv_events.py), so a batch need not be copied into tuples."""
 
     @property
     def kind(self) -> str: ...
@@ -104,8 +99,7 @@ def _block_key(value: Any) -> int:
 
 
 def _keys(value: Any) -> tuple[int, ...]:
-    # vLLM sends one BlockRemoved per evicted block (~140 per routed request under memory
-    # pressure): the single key is checked inline, anything else takes the general path.
+    # vLLM sends one BlockRemoved per evicted block: the single key is checked inline.
     if type(value) is list and len(value) == 1:
         key = value[0]
         if type(key) is int and 0 <= key <= _MASK64:
@@ -130,8 +124,7 @@ def parse_event(raw: Any) -> KvEvent | None:
         fields = raw
     elif isinstance(raw, list | tuple) and raw and isinstance(raw[0], str):
         kind = raw[0]
-        names = _POSITIONAL.get(kind, ())
-        fields = dict(zip(names, raw[1:], strict=False))
+        fields = dict(zip(_POSITIONAL.get(kind, ()), raw[1:], strict=False))
     else:
         raise MalformedBatch(f"an event is a {type(raw).__name__}, not a map")
     if not isinstance(kind, str):
@@ -145,7 +138,17 @@ def parse_event(raw: Any) -> KvEvent | None:
     keys = _keys(fields["block_hashes"])
     if fields.get("medium") not in ROUTED_MEDIA:
         return None
-    return _new_tuple(KvEvent, (kind, keys))  # KvEvent(kind, keys) without its Python frame
+    return tuple.__new__(KvEvent, (kind, keys))
+
+
+def batch_fields(payload: Any) -> tuple[Any, Any] | None:
+    """(ts, events) of one decoded batch: ``[ts, events, dp_rank]`` (vLLM <= 0.33, array-like)
+    or ``{"ts", "events", "data_parallel_rank"}`` (map-encoded); None for neither."""
+    if isinstance(payload, dict):
+        return payload.get("ts"), payload.get("events")
+    if isinstance(payload, list | tuple) and len(payload) >= 2:
+        return payload[0], payload[1]
+    return None
 
 
 def root_block(payload: Any) -> tuple[list[int], int] | None:
@@ -153,12 +156,10 @@ def root_block(payload: Any) -> tuple[list[int], int] | None:
     chain (no parent, no LoRA, no salt or other extra keys): the one block whose key depends on
     nothing but the replicas' hash algorithm and seed, so the proxy can check its own hashes
     against it. None when the batch has no such block (or is malformed)."""
-    events = payload.get("events") if isinstance(payload, dict) else None
-    if isinstance(payload, list | tuple) and len(payload) >= 2:
-        events = payload[1]
-    if not isinstance(events, list | tuple):
+    fields = batch_fields(payload)
+    if fields is None or not isinstance(fields[1], list | tuple):
         return None
-    for e in events:
+    for e in fields[1]:
         if not isinstance(e, dict) or e.get("type") != STORED:
             continue
         if e.get("parent_block_hash") is not None or e.get("lora_name") or e.get("lora_id"):
@@ -183,27 +184,21 @@ def root_block(payload: Any) -> tuple[list[int], int] | None:
 
 
 def parse_batch(payload: Any) -> list[KvEvent]:
-    """The events of one decoded batch: ``[ts, events, dp_rank]`` (vLLM <= 0.33, array-like)
-    or ``{"ts", "events", "data_parallel_rank"}`` (map-encoded). Raises MalformedBatch."""
-    if isinstance(payload, dict):
-        events = payload.get("events")
-    elif isinstance(payload, list | tuple) and len(payload) >= 2:
-        events = payload[1]
-    else:
+    """The routed events of one decoded batch (``batch_fields``). Raises MalformedBatch."""
+    fields = batch_fields(payload)
+    if fields is None:
         raise MalformedBatch(f"a batch is a {type(payload).__name__}, not [ts, events, rank]")
-    if not isinstance(events, list | tuple):
+    if not isinstance(fields[1], list | tuple):
         raise MalformedBatch("a batch's events are not a list")
-    parsed = (parse_event(e) for e in events)
+    parsed = (parse_event(e) for e in fields[1])
     return [e for e in parsed if e is not None]
 
 
 class ReplicaView:
     """One replica's cached block keys, and whether they are the whole truth.
 
-    The keys are an insertion-ordered dict used as a set: when a (misconfigured) replica reports
-    more than ``capacity`` blocks, the oldest-stored are forgotten first. A forgotten key only
-    makes the view under-report -- the replica is then scored lower than it deserves, never
-    higher -- so the bound costs accuracy, never correctness of the set it does report.
+    Past ``capacity`` blocks the oldest-stored keys are forgotten: the view then under-reports,
+    which scores the replica lower than it deserves, never higher.
     """
 
     def __init__(self, capacity: int = DEFAULT_VIEW_CAPACITY) -> None:
@@ -214,10 +209,9 @@ class ReplicaView:
         # Sent here, not yet reported stored: key -> deadline (see PENDING_TTL_S).
         self.pending: OrderedDict[int, float] = OrderedDict()
         # The eviction model (``doomed``): vLLM frees a finished request's blocks to the tail of
-        # an LRU queue (its last block first) and evicts from its head. Events report stores and
-        # evictions, not frees, so a request's prompt blocks are marked freed when its answer
-        # comes back (``release``). key -> freed stamp (only the order matters); a plain dict
-        # keeps insertion order at half an OrderedDict's cost per pin / free.
+        # an LRU queue and evicts from its head. Events do not report frees, so a request's
+        # prompt blocks are marked freed when its answer comes back (``release``). key -> freed
+        # stamp; a plain dict keeps insertion order at half an OrderedDict's cost per pin / free.
         self.freed: dict[int, int] = {}
         self._tick = count()
         self.pins: Counter[int] = Counter()  # key -> requests in flight here that hold it
@@ -234,24 +228,18 @@ class ReplicaView:
         self.dropped = 0  # times the view stopped being trusted
         self.overflow = 0  # keys forgotten to respect ``capacity``
         # Whether the proxy's exact hashes reproduce this replica's keys (None: unknown; False:
-        # wrong PROXY_VLLM_HASH_SEED or algorithm, routed on the index). A root block recomputed
-        # from its event (``root_block``) confirms or refutes; a predicted block reported back
-        # confirms; HASH_REFUTE_AFTER_BLOCKS predicted blocks expiring unreported, none ever
-        # reported, refute. Adapter and non-root blocks cannot be recomputed from their events
-        # (docs/kv-events.md, "Hash check").
+        # wrong PROXY_VLLM_HASH_SEED or algorithm, routed on the index): docs/kv-events.md,
+        # "Hash check".
         self.hashes_match: bool | None = None
         self.predictions_confirmed = 0  # predicted blocks the replica reported
         self.predictions_expired = 0  # predicted blocks that expired unreported
 
     @property
     def usable(self) -> bool:
-        """Routing may score this replica by its view."""
         return self.live and self.hashes_match is not False
 
     def __len__(self) -> int:
         return len(self.blocks)
-
-    # -- sequence -------------------------------------------------------------------------
 
     def gap_before(self, seq: int) -> int | None:
         """Check ``seq`` before applying its batch. None: apply it now. Otherwise the batches
@@ -284,12 +272,9 @@ class ReplicaView:
         self.next_seq = seq
         return False
 
-    # -- events ---------------------------------------------------------------------------
-
     def apply(self, seq: int, payload: Any) -> bool:
         """Apply the decoded batch numbered ``seq`` if it is the one expected (replays may
-        overlap what was already applied). A malformed batch is counted, skipped, and drops the
-        view."""
+        overlap what was already applied)."""
         try:
             events: Sequence[BlockEvent] | None = parse_batch(payload)
         except MalformedBatch:
@@ -297,20 +282,18 @@ class ReplicaView:
         return self.apply_events(seq, events)
 
     def apply_events(self, seq: int, events: Sequence[BlockEvent] | None) -> bool:
-        """``apply`` for a batch already parsed (None: it was malformed), e.g. by a typed
-        decoder that yields the routed events directly (proxy/kv_events.py)."""
+        """``apply`` for a batch already parsed (None: it was malformed)."""
         if self.next_seq is not None and seq != self.next_seq:
             return False
         self.next_seq = seq + 1
         self.batches += 1
         if seq == 0:
             # A publisher at 0 just started: its cache is empty whatever came before.
-            self._resync()
+            self._reset(True)
         if events is None:
             self.malformed += 1
             self.drop()
             return True
-        # The per-key loops are most of the events path's cost per request.
         blocks, pending, freed, pins, tick = (
             self.blocks, self.pending, self.freed, self.pins, self._tick
         )  # fmt: skip
@@ -319,8 +302,7 @@ class ReplicaView:
         for event in events:
             kind = event.kind
             if kind == STORED:
-                # Keys nobody pins (a completion's generated blocks, another client's) count as
-                # freed when stored.
+                # Keys nobody pins (generated blocks, another client's) count as freed when stored.
                 for key in event.keys:
                     blocks[key] = None  # idempotent: vLLM's "full" report mode re-reports hits
                     if pending and pending.pop(key, None) is not None:
@@ -334,7 +316,7 @@ class ReplicaView:
                     if pending and pending.pop(key, None) is not None:
                         confirmed += 1
             else:  # AllBlocksCleared: the cache is empty from here on
-                self._resync()
+                self._reset(True)
                 blocks, pending, freed = self.blocks, self.pending, self.freed
         if confirmed:
             self.predictions_confirmed += confirmed
@@ -348,30 +330,25 @@ class ReplicaView:
             self.overflow += overflow
         return True
 
-    def _resync(self) -> None:
+    def _reset(self, live: bool) -> None:
+        if live and not self.live:
+            self.resyncs += 1
+        elif self.live and not live:
+            self.dropped += 1
+        self.live = live
         self.blocks = {}
         self.pending = OrderedDict()
         self.freed = {}
-        if not self.live:
-            self.resyncs += 1
-        self.live = True
 
     def drop(self) -> None:
         """Stop trusting the view (a gap that could not be replayed, a malformed batch, the
         replica restarted or left): routing falls back to the index for this replica."""
-        if self.live:
-            self.dropped += 1
-        self.live = False
-        self.blocks = {}
-        self.pending = OrderedDict()
-        self.freed = {}
+        self._reset(False)
 
     def forget(self) -> None:
         """The replica went away (ejected, removed, restarting): start over, wait for seq 0."""
         self.drop()
         self.next_seq = None
-
-    # -- lookups --------------------------------------------------------------------------
 
     def expect(self, keys: Sequence[int], now: float) -> None:
         """``keys`` were just sent here: count them as held until reported (PENDING_TTL_S)."""
@@ -417,16 +394,13 @@ class ReplicaView:
                 freed[key] = next(tick)
 
     def doomed(self, capacity_blocks: int, output_blocks: int, now: float = 0.0) -> int:
-        """The cached blocks the replica will have evicted before a request routed here now is
-        admitted, by its own rules: FCFS admission reserves a request's whole context (prompt
-        blocks not held + ``output_blocks``); once the free pool is spent, each allocation evicts
-        the least recently freed unpinned block. Requests routed here and not yet admitted (last
-        prompt block not yet reported) evict ``their allocations - free blocks`` from the head
-        of ``freed``. One still waiting PENDING_TTL_S after routing no longer counts: its answer
-        may never come back to release it.
-
-        Returns the freed-stamp up to which blocks are doomed, or -1 for none (the allocations
-        fit, or the capacity is unknown: 0)."""
+        """The freed-stamp up to which cached blocks will have been evicted before a request
+        routed here now is admitted, or -1 for none (the allocations fit, or the capacity is
+        unknown: 0). vLLM's rules: FCFS admission reserves a request's prompt blocks not held +
+        ``output_blocks``; past the free pool each allocation evicts the least recently freed
+        unpinned block. So requests routed here and not yet admitted (last prompt block not yet
+        reported) evict ``their allocations - free blocks`` from the head of ``freed``; one still
+        waiting PENDING_TTL_S after routing no longer counts (its answer may never come back)."""
         freed = self.freed
         if capacity_blocks <= 0 or not freed:
             return -1
@@ -483,17 +457,12 @@ class ReplicaView:
 class PreciseMatcher:
     """Per-replica specific-prefix lengths with the events view where it is live.
 
-    Same contract and same common-prefix rule as ``Router.specific_matches`` (see router.py's
-    docstring): a block is common when every eligible replica holds it, or when the proxy has
-    seen two different continuations of it that do not end a request there. Holding comes from
-    the replica's live view, else from the index; branching comes from the index, which keeps
-    recording every routed request whichever source scores it. With no live view the result is
-    exactly ``Router.specific_matches`` (a property test checks it). When the live views leave
-    no replica anything specific but the index does, the index scores the request
-    (``_rollout_home`` says why).
-
-    It also remembers, per routed decision, how many prompt blocks the chosen replica was
-    expected to hold (``predict``), so the replica's reported hit can be compared with it.
+    The common-prefix rule is the router's (proxy/core/reach.py): holding comes from the
+    replica's live view, else from the index; branching comes from the index, which records
+    every routed request whichever source scores it. With no live view the result is exactly
+    ``Router.specific_matches`` (a property test checks it). Per routed decision it remembers
+    how many prompt blocks the chosen replica was expected to hold (``routed``), so the
+    replica's reported hit can be compared with it.
     """
 
     def __init__(
@@ -505,9 +474,8 @@ class PreciseMatcher:
         self.views = views
         self._clock = clock
         self._block_size = block_size
-        # Each replica's KV cache in tokens (vLLM's num_gpu_blocks * block_size), as scraped for
-        # the router (proxy/health.py fills the router's dict; the app shares it here). Unknown
-        # (absent or 0): no eviction horizon, the views count every block they hold.
+        # Each replica's KV cache in tokens, as scraped for the router (proxy/health.py fills the
+        # router's dict, which is this one). Unknown (absent or 0): no eviction horizon.
         self.capacity_tokens: dict[int, int] = {}
         self._keys: Sequence[int] = ()
         self._reach: dict[int, int] = {}
@@ -536,21 +504,9 @@ class PreciseMatcher:
         event_keys: Sequence[int],
         replicas: Sequence[int],
     ) -> dict[int, int]:
-        """``index_keys`` key the proxy's index; ``event_keys`` are the same blocks as vLLM
-        keys them (equal unless the adapter name was purged and reused)."""
-        return self.matches(index, index_keys, event_keys, replicas)[0]
-
-    def matches(
-        self,
-        index: PrefixIndex,
-        index_keys: Sequence[int],
-        event_keys: Sequence[int],
-        replicas: Sequence[int],
-    ) -> tuple[dict[int, int], int]:
-        """(specific matches per replica, depth of the common preamble in blocks), as
-        ``Router.matches`` answers from the index alone."""
-        reach, common = self.reach(index, index.lookup(index_keys), event_keys, replicas)
-        return specific(reach, common), common
+        """As ``Router.specific_matches``. ``index_keys`` key the proxy's index; ``event_keys``
+        are the same blocks as vLLM keys them (equal unless the adapter name was reused)."""
+        return specific(*self.reach(index, index.lookup(index_keys), event_keys, replicas))
 
     def reach(
         self,
@@ -560,8 +516,7 @@ class PreciseMatcher:
         replicas: Sequence[int],
     ) -> tuple[dict[int, int], int]:
         """(reach per replica, common depth) from the index ``values`` just looked up for these
-        blocks, with each live view's own reach in place of the index's for its replica. The
-        walk itself is the router's (proxy/core/reach.py): only ``held`` differs."""
+        blocks, with each live view's own reach in place of the index's for its replica."""
         eligible = mask_of(replicas)
         live = self.live_mask(replicas)
         now = self._clock()
@@ -614,16 +569,11 @@ class PreciseMatcher:
         views_reach: dict[int, int],
         views_common: int,
     ) -> tuple[dict[int, int], int] | None:
-        """Where the index remembers the request's rollout (its home: the replica it credits
-        with the longest specific prefix) and the views name no replica holding more of the
-        prompt than that home will at admission: when the views leave nothing specific anywhere,
-        the index's own scoring; otherwise the views' reach with the home credited the index's.
-        None: the views' answer stands. The prediction recorded stays the views' own.
-
-        Why: the request then prefills the same wherever it goes, and sending it home keeps
-        each cache on its own rollouts instead of rebuilding a moved rollout's history in a
-        second cache (docs/kv-events.md, "When the views find nothing specific")."""
-        # Runs for every request with a live view: the index's walk (PrefixIndex.reach).
+        """When the index credits a home (the replica with the longest specific prefix) that
+        no view shows holding less than another: the index's own scoring if the views leave
+        nothing specific anywhere, else the views' reach with the home credited the index's.
+        None: the views' answer stands. Why: docs/kv-events.md, "When the views find nothing
+        specific"."""
         reach, common = index.reach(values, len(values), replicas)
         best = max(reach.values(), default=0)
         if best <= common:
@@ -647,11 +597,10 @@ class PreciseMatcher:
         self.output_tokens += (tokens - self.output_tokens) / self._outputs
 
     def routed(self, decision: object, replica: int) -> None:
-        """The last ``specific_matches`` request went to ``replica``: its blocks count as held
-        there until its events confirm them, and the prediction is kept for ``outcome``: how
-        many leading blocks ``replica`` was expected to hold, and whether its view was live.
-        Keyed by the decision object's identity: every routed decision is written here when it
-        is made, so a reused id is overwritten before it can be read."""
+        """The last ``reach`` request went to ``replica``: its blocks count as held there until
+        its events confirm them, and the prediction is kept for ``outcome``. Keyed by the
+        decision's identity: every routed decision is written here when it is made, so a reused
+        id is overwritten before it can be read."""
         view = self.views.get(replica)
         token = id(decision)
         if token in self._pending:  # an unanswered decision's id, reused: it is over
