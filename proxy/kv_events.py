@@ -1,15 +1,11 @@
 """Subscribers to vLLM's KV-cache events: the thin async edge around ``proxy.core.kv_view``
 (docs/kv-events.md).
 
-One ZMQ SUB socket per replica on the server's own event loop (no thread). Each message is
+One ZMQ SUB socket per replica on the server's own event loop (no thread); each message is
 ``[topic, seq (8 bytes big-endian), msgpack payload]``. A gap in ``seq`` is filled from vLLM's
-replay socket (one DEALER request per gap, answered by every buffered batch from the asked
-sequence number as ``[b"", topic, seq, payload]`` -- vLLM after 0.33 drops the topic frame, also
-accepted -- then an end marker with seq -1); otherwise that replica's view is dropped and routing
-falls back to the index for it until the view resynchronises. Events are exported by one
-collector read at scrape time, so receiving one costs no Prometheus update; the only call on the
-request path is ``observe``. Needs the ``[kv-events]`` extra; imported only when
-``PROXY_KV_EVENTS`` is on.
+replay socket, else that replica's view is dropped until it resynchronises. Metrics are read at
+scrape time, so an event costs no Prometheus update; the only call on the request path is
+``observe``. Needs the ``[kv-events]`` extra; imported only when ``PROXY_KV_EVENTS`` is on.
 """
 
 from __future__ import annotations
@@ -42,6 +38,7 @@ from proxy.core.kv_view import (
     BlockEvent,
     PreciseMatcher,
     ReplicaView,
+    batch_fields,
     root_block,
 )
 from proxy.settings import Settings
@@ -82,11 +79,6 @@ class Endpoints:
     replay: str | None
 
 
-def _host_of(url: str) -> str:
-    host = urlsplit(url).hostname or "127.0.0.1"
-    return f"[{host}]" if ":" in host else host
-
-
 def endpoints_for(settings: Settings, index: int, url: str) -> Endpoints | None:
     """Where replica ``index`` publishes: the explicit list entry, else its URL's host with the
     configured ports. None when the explicit list has no entry for it (then it falls back)."""
@@ -95,7 +87,8 @@ def endpoints_for(settings: Settings, index: int, url: str) -> Endpoints | None:
             return None
         events, _, replay = settings.kv_events_endpoints[index].partition("|")
         return Endpoints(events, replay or None)
-    host = _host_of(url)
+    host = urlsplit(url).hostname or "127.0.0.1"
+    host = f"[{host}]" if ":" in host else host
     replay_port = settings.kv_events_replay_port
     return Endpoints(
         f"tcp://{host}:{settings.kv_events_port}",
@@ -113,19 +106,14 @@ def decode(payload: bytes) -> Any:
 
 
 def _typed_batch_decoder() -> Callable[[bytes], Any] | None:
-    """msgspec's typed msgpack decoder for vLLM's batches, or None without msgspec.
+    """msgspec's typed msgpack decoder for vLLM's batches (``KVEventBatch``, an array
+    ``[ts, events, rank]`` of maps tagged by ``"type"``), or None without msgspec.
 
-    vLLM encodes its events with msgspec (``KVEventBatch``: an array ``[ts, events, rank]``;
-    each event a map tagged by ``"type"``, vllm/distributed/kv_events.py). Decoding into structs
-    that declare only what the view reads (the block hashes and the medium) makes msgspec skip
-    every other field -- a BlockStored's token ids above all -- without building a Python object
-    for it: 0.4 us per one-block event where msgpack plus ``parse_batch`` take 2.5
-    (bench/run_kv_events_micro.py). The structs carry ``kind`` and ``keys``, what
-    ``ReplicaView.apply_events`` reads, so no event is copied. Anything the typed schema
-    refuses (map-encoded batches, positional events, unknown event types, byte or
-    out-of-range hashes, a non-string medium) raises, and the caller falls back to the generic
-    path, which decides exactly as before. Loaded by name: msgspec is optional (the generic
-    path needs msgpack only), and its types are used only here."""
+    Its structs declare only the block hashes and the medium, so msgspec skips every other
+    field (a BlockStored's token ids above all) and the view reads them as they are (``kind``,
+    ``keys``): bench/runners/run_kv_events_micro.py measures it against msgpack plus
+    ``parse_batch``. Whatever the schema refuses raises, and the caller takes the generic
+    path, which decides the same. Loaded by name: msgspec is optional."""
     try:
         msgspec = importlib.import_module("msgspec")
     except ImportError:
@@ -170,9 +158,7 @@ def decode_typed(payload: bytes) -> tuple[float, list[BlockEvent]] | None:
 
 
 def batch_time(payload: Any) -> float | None:
-    ts = payload.get("ts") if isinstance(payload, dict) else None
-    if isinstance(payload, list) and payload:
-        ts = payload[0]
+    ts = (batch_fields(payload) or (None,))[0]
     return float(ts) if isinstance(ts, int | float) and not isinstance(ts, bool) else None
 
 
@@ -206,7 +192,6 @@ class ReplicaSubscriber:
         self._topic = topic.encode()
         self._replay_timeout_s = replay_timeout_s
         self.lag_s = 0.0
-        self.last_batch_at: float | None = None
         self.replays = 0
         self.replay_failures = 0
         self.bad_frames = 0
@@ -280,11 +265,9 @@ class ReplicaSubscriber:
                 "PROXY_VLLM_HASH_ALGO. Routing uses the index for this replica.",
                 self.index,
             )
-        now = time.time()
         ts = batch_time(payload) if typed is None else typed[0]
         if ts is not None:
-            self.lag_s = max(0.0, now - ts)
-        self.last_batch_at = now
+            self.lag_s = max(0.0, time.time() - ts)
 
     def _check_hashes(self, payload: Any) -> None:
         """Compare a base-model root block's reported key with the proxy's exact hash of its
@@ -442,7 +425,7 @@ class KvEvents:
         out: dict[str, Any] = {}
         for i, view in sorted(self.views.items()):
             sub = self.subscribers.get(i)
-            out[str(i)] = {
+            row = out[str(i)] = {
                 "endpoint": sub.endpoints.events if sub else None,
                 "replay_endpoint": sub.endpoints.replay if sub else None,
                 "live": view.live,
@@ -463,8 +446,24 @@ class KvEvents:
                 "lag_s": round(sub.lag_s, 6) if sub else None,
             }
             if with_blocks:
-                out[str(i)]["block_keys"] = sorted(view.blocks)
+                row["block_keys"] = sorted(view.blocks)
         return out
+
+
+# Per-replica families by name: help text; the counters' values are /admin/kv_events fields.
+_COUNTERS = {
+    "batches": "Event batches received (one per replica scheduler step).",
+    "events": "KV-cache events applied (BlockStored, BlockRemoved, AllBlocksCleared).",
+    "gaps": "Sequence gaps seen (missed batches).",
+    "malformed": "Batches or frames skipped as malformed.",
+    "dropped": "Times a replica's view stopped being trusted (routing fell back).",
+    "replay_failures": "Replays that got no answer in time.",
+}
+_GAUGES = {
+    "view_live": "1 when routing uses the replica's events, 0 when it falls back.",
+    "view_blocks": "Blocks the replica reports cached.",
+    "lag_seconds": "Receive time minus the batch's own timestamp (last batch).",
+}
 
 
 class KvEventsCollector(Collector):
@@ -475,63 +474,26 @@ class KvEventsCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         p = "rollout_proxy_kv_events_"
-        counters = {
-            "batches": "Event batches received (one per replica scheduler step).",
-            "events": "KV-cache events applied (BlockStored, BlockRemoved, AllBlocksCleared).",
-            "gaps": "Sequence gaps seen (missed batches).",
-            "malformed": "Batches or frames skipped as malformed.",
-            "dropped": "Times a replica's view stopped being trusted (routing fell back).",
-            "replay_failures": "Replays that got no answer in time.",
+        families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {
+            n: CounterMetricFamily(p + n, doc, labels=["replica"]) for n, doc in _COUNTERS.items()
         }
-        families = {
-            n: CounterMetricFamily(p + n, h, labels=["replica"]) for n, h in counters.items()
-        }
-        live = GaugeMetricFamily(
-            p + "view_live",
-            "1 when routing uses the replica's events, 0 when it falls back.",
-            labels=["replica"],
-        )
-        blocks = GaugeMetricFamily(
-            p + "view_blocks", "Blocks the replica reports cached.", labels=["replica"]
-        )
-        lag = GaugeMetricFamily(
-            p + "lag_seconds",
-            "Receive time minus the batch's own timestamp (last batch).",
-            labels=["replica"],
-        )
-        for i, view in sorted(self.kv.views.items()):
-            label = [str(i)]
-            sub = self.kv.subscribers.get(i)
-            values = {
-                "batches": view.batches,
-                "events": view.events,
-                "gaps": view.gaps,
-                "malformed": view.malformed + (sub.bad_frames if sub else 0),
-                "dropped": view.dropped,
-                "replay_failures": sub.replay_failures if sub else 0,
-            }
-            for name, value in values.items():
-                families[name].add_metric(label, value)
-            live.add_metric(label, 1.0 if view.usable else 0.0)
-            blocks.add_metric(label, len(view))
-            lag.add_metric(label, sub.lag_s if sub else 0.0)
+        families |= {n: GaugeMetricFamily(p + n, d, labels=["replica"]) for n, d in _GAUGES.items()}
+        for i, row in self.kv.snapshot().items():
+            sub = self.kv.subscribers.get(int(i))
+            row["view_live"] = 1.0 if self.kv.views[int(i)].usable else 0.0
+            row["view_blocks"] = row["blocks"]
+            row["lag_seconds"] = sub.lag_s if sub else 0.0
+            for name, family in families.items():
+                family.add_metric([i], row[name])
         yield from families.values()
-        yield from (live, blocks, lag)
-        yield from self._memo()
-        yield from self._predictions()
-
-    def _memo(self) -> Iterator[Metric]:
         hasher = self.kv.hasher() if self.kv.hasher is not None else None
-        if not isinstance(hasher, VllmHasher):
-            return
-        p = "rollout_proxy_kv_events_exact_memo_"
-        for name, value, doc in (
-            ("hits", hasher.memo.hits, "Prompt blocks whose vLLM hash was remembered."),
-            ("misses", hasher.memo.misses, "Prompt blocks hashed with vLLM's function."),
-        ):
-            family = CounterMetricFamily(p + name, doc)
-            family.add_metric([], value)
-            yield family
+        if isinstance(hasher, VllmHasher):
+            for name, value, doc in (
+                ("hits", hasher.memo.hits, "Prompt blocks whose vLLM hash was remembered."),
+                ("misses", hasher.memo.misses, "Prompt blocks hashed with vLLM's function."),
+            ):
+                yield CounterMetricFamily(p + "exact_memo_" + name, doc, value)
+        yield from self._predictions()
 
     def _predictions(self) -> Iterator[Metric]:
         p = "rollout_proxy_kv_prediction_"
@@ -553,9 +515,9 @@ class KvEventsCollector(Collector):
                 results.add_metric([source, result], n)
             predicted.add_metric([source], tally.predicted_tokens)
             reported.add_metric([source], tally.reported_tokens)
-        unreported = CounterMetricFamily(
+        yield from (results, predicted, reported)
+        yield CounterMetricFamily(
             p + "unreported",
             "Answers without cached_tokens (start vLLM with --enable-prompt-tokens-details).",
+            self.kv.unreported,
         )
-        unreported.add_metric([], self.kv.unreported)
-        yield from (results, predicted, reported, unreported)

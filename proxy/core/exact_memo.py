@@ -1,20 +1,17 @@
 """vLLM block digests remembered by prefix, so the exact hasher sha256-hashes each block once.
 
 A block's vLLM digest is a pure function of the namespace (adapter name and path, cache salt)
-and every token up to the block's end. The fast mode's 64-bit xxh3 chain over the same tokens
-names that prefix, so ``(namespace, chain key) -> digest`` can be looked up instead of
-recomputed. Routing sees the same prefixes again and again: the 8 rollouts of a GRPO group
-share their prompt, and an agent's next turn is its last prompt plus the completion plus the
-tool's answer. Only the blocks not seen before are hashed by vLLM's function; the rest cost one
-xxh3 step and one dict lookup (bench.run_kv_events_micro measures both).
+and every token up to the block's end, which the fast mode's 64-bit xxh3 chain over the same
+tokens names: ``(namespace, chain key) -> digest`` is looked up instead of recomputed. A GRPO
+group's rollouts share their prompt and an agent's next turn extends its last one, so only new
+blocks are hashed by vLLM's function (bench/runners/run_kv_events_micro.py measures both).
 
-Exactness: the memo maps a prefix to the digest vLLM's function returned for that very prefix,
-so a hit returns what a fresh computation would, whatever was evicted before (eviction only
-makes a later lookup miss and recompute). The one assumption is the one the prefix index already
-makes: two different prefixes of one namespace do not share a 64-bit chain key (~n^2/2^65 for n
-remembered blocks: 1e-10 at the default bound). Namespaces are told apart exactly, by an id
-never reused, not by hashing them into the key. The purge epoch is not part of a digest (it is
-mixed into index keys afterwards), so namespaces differing only by epoch share entries.
+Exactness: a hit returns the digest vLLM's function gave for that very prefix, whatever was
+evicted before. The one assumption is the prefix index's own: two prefixes of one namespace do
+not share a 64-bit chain key (~n^2/2^65 for n remembered blocks: 1e-10 at the default bound).
+Namespaces are told apart exactly, by an id never reused. The purge epoch is not part of a
+digest (it is mixed into index keys afterwards), so namespaces differing only by epoch share
+entries.
 """
 
 from __future__ import annotations
@@ -25,8 +22,8 @@ from collections import OrderedDict
 # rollouts are all routed (milliseconds), a rollout's context until its next turn (seconds), for
 # every rollout in flight. TRL keeps up to a few hundred in flight (max_inflight_tasks) at up to
 # 256 blocks (4,096 tokens): 2**16 blocks covers 256 such contexts. 279 bytes per entry
-# (bench.run_kv_events_micro: slot, int key, event key, 32-byte digest), ~18 MB when full.
-# A miss costs one sha256, never a wrong key.
+# (bench/runners/run_kv_events_micro.py), ~18 MB when full. A miss costs one sha256, never a
+# wrong key.
 DEFAULT_MEMO_BLOCKS = 65_536
 # Namespace ids kept (a client may send a fresh cache salt per request): when full the table is
 # emptied and ids continue from where they were, so an old id is never given to another
@@ -41,8 +38,8 @@ class ExactMemo:
         if capacity < 0:
             raise ValueError("memo capacity must be >= 0 blocks")
         self.capacity = capacity
-        # One int key per block: the namespace id in the bits above the 64-bit chain key, so a
-        # lookup hashes a plain int (a tuple key costs about twice as much).
+        # One int key per block: the namespace id above the 64-bit chain key (a tuple key costs
+        # about twice as much to hash).
         self.digests: OrderedDict[int, tuple[int, bytes]] = OrderedDict()
         self._ids: dict[object, int] = {}
         self._next_id = 1
@@ -63,6 +60,3 @@ class ExactMemo:
         digests = self.digests
         while len(digests) > self.capacity:
             digests.popitem(last=False)
-
-    def clear(self) -> None:
-        self.digests.clear()
