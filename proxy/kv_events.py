@@ -57,7 +57,6 @@ SUPERVISE_INTERVAL_S = 1.0
 # (Python refuses to parse over 4,300 digits) and a longer one reads as no report at all.
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d{1,12})(?!\d)')
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d{1,12})(?!\d)')
-RESULTS = ("exact", "over", "under")
 
 
 def first_match(pattern: re.Pattern[bytes], literal: bytes, body: bytes) -> re.Match[bytes] | None:
@@ -146,8 +145,7 @@ _TYPED_DECODE = _typed_batch_decoder()
 
 def decode_typed(payload: bytes) -> tuple[float, list[BlockEvent]] | None:
     """(batch time, the events routing uses) through msgspec's typed decoder; None when msgspec
-    is absent or the batch is not in vLLM's usual shape (then ``decode`` and the view's own
-    parser take it: the result is the same either way)."""
+    is absent or the batch is not in vLLM's usual shape (then the generic path takes it)."""
     if _TYPED_DECODE is None:
         return None
     try:
@@ -166,7 +164,9 @@ def batch_time(payload: Any) -> float | None:
 class _Tally:
     """Predicted-vs-reported prefix hits for one source ("events" or "index")."""
 
-    results: dict[str, int] = field(default_factory=lambda: dict.fromkeys(RESULTS, 0))
+    results: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(("exact", "over", "under"), 0)
+    )
     predicted_tokens: int = 0
     reported_tokens: int = 0
 
@@ -271,8 +271,7 @@ class ReplicaSubscriber:
 
     def _check_hashes(self, payload: Any) -> None:
         """Compare a base-model root block's reported key with the proxy's exact hash of its
-        tokens (one sha256; done until the hashes are confirmed, by such a block or by a
-        predicted block on any other, see ``ReplicaView.hashes_match``)."""
+        tokens (one sha256, until the hashes are confirmed: ``ReplicaView.hashes_match``)."""
         assert self._hasher is not None
         root = root_block(payload)
         if root is None:
@@ -284,7 +283,8 @@ class ReplicaSubscriber:
         self.view.hashes_match = hasher.hash_tokens(tokens, Namespace("")) == [reported]
 
     async def _replay(self, start: int, until: int) -> None:
-        """Ask the replica's replay socket for batches ``start..until-1`` and apply them."""
+        """Ask the replica's replay socket for batches ``start..until-1`` and apply them (vLLM
+        answers one request with every buffered batch from ``start``, then seq END_OF_REPLAY)."""
         assert self.endpoints.replay is not None
         self.replays += 1
         dealer = self._ctx.socket(zmq.DEALER)
@@ -340,8 +340,6 @@ class KvEvents:
     def register(self, registry: CollectorRegistry) -> None:
         registry.register(KvEventsCollector(self))
 
-    # -- lifecycle ------------------------------------------------------------------------
-
     async def start(self) -> None:
         self._ctx = zmq.asyncio.Context()
         self.supervise()
@@ -394,8 +392,6 @@ class KvEvents:
             self.subscribers[i] = sub
             sub.start()
 
-    # -- the one call on the request path -------------------------------------------------
-
     def observe(self, decision: object, body: bytes) -> None:
         """Compare the cached tokens predicted for ``decision`` with the replica's report, and
         count its completion's length in what requests reserve (``observe_output``)."""
@@ -417,8 +413,6 @@ class KvEvents:
         tally.results[result] += 1
         tally.predicted_tokens += expected
         tally.reported_tokens += reported
-
-    # -- introspection --------------------------------------------------------------------
 
     def snapshot(self, with_blocks: bool = False) -> dict[str, Any]:
         """Per-replica state for /admin/kv_events (``with_blocks``: the keys too, sorted)."""

@@ -73,6 +73,9 @@ class KvEvent(NamedTuple):
     keys: tuple[int, ...] = ()
 
 
+_new_tuple = tuple.__new__
+
+
 class BlockEvent(Protocol):
     """What the view reads of an event: a ``KvEvent``, or the typed decoder's struct
     (proxy/kv_events.py), so a batch need not be copied into tuples."""
@@ -138,7 +141,7 @@ def parse_event(raw: Any) -> KvEvent | None:
     keys = _keys(fields["block_hashes"])
     if fields.get("medium") not in ROUTED_MEDIA:
         return None
-    return tuple.__new__(KvEvent, (kind, keys))
+    return _new_tuple(KvEvent, (kind, keys))
 
 
 def batch_fields(payload: Any) -> tuple[Any, Any] | None:
