@@ -216,6 +216,41 @@ def test_the_exact_memo_is_exported_as_hits_and_misses() -> None:
     assert "rollout_proxy_kv_events_exact_memo_misses_total 4.0" in text
 
 
+def test_per_replica_metrics_export_the_admin_fields_and_the_usable_view() -> None:
+    """Each per-replica family carries the /admin/kv_events figure of its replica; view_live is
+    1 only where routing may use the view (live, and hashes not refuted)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    settings = Settings(replicas=["http://a:1", "http://b:1", "http://c:1"], kv_events=True)
+    kv = KvEvents(settings, Fleet(settings.replicas), lambda: 16)
+    kv.views[0] = ReplicaView()
+    kv.views[0].apply(0, [1.0, [{"type": "BlockStored", "block_hashes": [1, 2, 3]}]])
+    kv.views[0].apply(1, [1.0, "not a list"])  # malformed: counted, view dropped
+    kv.views[1] = ReplicaView()
+    kv.views[1].apply(0, [1.0, [{"type": "BlockStored", "block_hashes": [7, 8]}]])
+    kv.views[2] = ReplicaView()
+    kv.views[2].apply(0, [1.0, [{"type": "BlockStored", "block_hashes": [9]}]])
+    kv.views[2].hashes_match = False  # live, but its keys are not the proxy's
+    registry = CollectorRegistry()
+    kv.register(registry)
+    got = {
+        (sample.name, sample.labels["replica"]): sample.value
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for sample in family.samples
+        if "replica" in sample.labels
+    }
+    p = "rollout_proxy_kv_events_"
+    for replica, row in kv.snapshot().items():
+        for name in ("batches", "events", "gaps", "malformed", "dropped", "replay_failures"):
+            assert got[(p + name + "_total", replica)] == row[name]
+        assert got[(p + "view_blocks", replica)] == row["blocks"]
+        assert got[(p + "lag_seconds", replica)] == 0.0  # no subscriber
+    assert [got[(p + "view_live", r)] for r in "012"] == [0.0, 1.0, 0.0]
+    assert [got[(p + "view_blocks", r)] for r in "012"] == [0.0, 2.0, 1.0]
+    assert [got[(p + "malformed_total", r)] for r in "012"] == [1.0, 0.0, 0.0]
+
+
 # Bodies made of the pieces the two patterns care about, so near-misses are frequent.
 _PIECES = st.sampled_from(
     [b'"cached_tokens"', b'"completion_tokens"', b'"cached_tokens', b"cached_tokens", b":",

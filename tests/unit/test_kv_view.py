@@ -221,6 +221,21 @@ def test_a_malformed_batch_is_counted_skipped_and_drops_the_view() -> None:
     assert view.gap_before(3) is None
 
 
+def test_resyncs_and_drops_count_changes_of_trust_only() -> None:
+    """/admin/kv_events' resyncs and dropped count the times a view became trusted and stopped
+    being trusted: a clear on a live view is no resync, a drop of a dropped view no drop."""
+    view = ReplicaView()
+    view.apply(0, batch(stored(1)))
+    view.apply(1, batch(cleared(), stored(2)))  # already live
+    assert (view.resyncs, view.dropped) == (1, 0)
+    view.drop()
+    view.apply(2, batch(stored(3), {"type": STORED, "block_hashes": "x"}))  # malformed, dropped
+    view.forget()
+    assert (view.resyncs, view.dropped) == (1, 1)
+    view.apply(0, batch(stored(4)))
+    assert view.live and (view.resyncs, view.dropped) == (2, 1)
+
+
 def test_forget_waits_for_a_new_numbering() -> None:
     view = live_view()
     view.apply(1, batch(stored(1)))
