@@ -23,7 +23,7 @@ from proxy.core.reach import mask_of, prefix_reach, specific
 _MASK64 = (1 << 64) - 1
 
 # One replica's cache: an H100-80GB serving the recipe's 1.5B model holds ~140k blocks of 16
-# tokens (bench/simulator.py sizes it); 2**18 keys leaves room for a 2x larger cache.
+# tokens (bench/harness/simulator.py sizes it); 2**18 keys leaves room for a 2x larger cache.
 DEFAULT_VIEW_CAPACITY = 262_144
 # Events lag routing: blocks just sent to a replica count as held until it reports them, or for
 # at most the time a request may wait in a busy replica's queue; the recipe's rollouts take
