@@ -1,20 +1,17 @@
-"""TRL's merged-weight sync (vLLM weight transfer) through the proxy to every replica
-(docs/merged-weights.md).
+"""TRL's merged-weight sync (vLLM weight transfer) through the proxy to every replica; the
+calls, answers and faults: docs/merged-weights.md.
 
-The replicas form one process group with the trainer (rank 0): ``/get_world_size`` answers the
-sum of the replicas' world sizes, ``/init_weight_transfer_engine`` gives each replica its own
-``rank_offset`` (proxy/core/weights.py ``seats``), and start/update/finish go to every seated
-replica at once; the tensors travel from the trainer to each replica directly. 200 only when
-every seated replica applied the call; otherwise an OpenAI-shaped error (504 when a replica timed
-out, else 502; 409 for an update with no group formed here) naming each replica's outcome, and
-the replicas that failed take no traffic until a sync completes on them whole. Each replica call
-is bounded by PROXY_CONTROL_TIMEOUT_S; calls are serialised with the other control calls.
+The replicas form one process group with the trainer (rank 0), each at its own ``rank_offset``
+(proxy/core/weights.py ``seats``). 200 only when every seated replica applied the call, else an
+OpenAI-shaped error naming each replica's outcome. Each replica call is bounded by
+PROXY_CONTROL_TIMEOUT_S; calls are serialised with the other control calls.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,13 +19,7 @@ import httpx
 
 from proxy.control import ControlPlane, Reply, parse_object
 from proxy.core.fleet import Fleet, Replica, Status
-from proxy.core.weights import (
-    ENDPOINTS,
-    WeightBook,
-    check_version,
-    parse_world_size,
-    seats,
-)
+from proxy.core.weights import ENDPOINTS, WeightBook, check_version, parse_world_size, seats
 from proxy.errors import (
     BroadcastFailed,
     Conflict,
@@ -38,7 +29,7 @@ from proxy.errors import (
     UpstreamUnavailable,
 )
 from proxy.metrics import Metrics
-from proxy.reconciler import describe_outcome
+from proxy.reconciler import Outcome as CallOutcome
 from proxy.settings import Settings
 from proxy.upstream import Upstream
 
@@ -48,12 +39,10 @@ NO_SIZES = "no replica reported its world size"
 
 
 @dataclass
-class Outcome:
-    replica: int
-    result: str  # ok | failed | timeout | unreachable | refused | invalid | removed
-    http_status: int | None = None
-    detail: str = ""
-    extra: dict[str, Any] | None = None
+class Outcome(CallOutcome):
+    """``result``: ok | failed | timeout | unreachable | refused | invalid | removed."""
+
+    extra: dict[str, Any] | None = None  # listed beside the result (world size, seat)
     value: Any = None  # the parsed answer where the caller needs it (world size)
 
     @property
@@ -71,9 +60,6 @@ class Outcome:
         if self.extra:
             out.update(self.extra)
         return out
-
-    def describe(self) -> str:
-        return describe_outcome(self.replica, self.result, self.http_status, self.detail)
 
 
 def _int_field(info: dict[str, Any], name: str, low: int) -> int:
@@ -184,23 +170,24 @@ class WeightSync:
             self.metrics.weight_seq.labels(label).set(r.weights.seq)
             self.metrics.weights_stale.labels(label).set(0 if r.weights.ok else 1)
 
-    async def _exclusive(self, call: Any) -> Reply:
+    async def _exclusive(self, call: Callable[[], Awaitable[Reply]]) -> Reply:
         async with self.control.lock:
             self.control.in_flight += 1
             try:
-                result: Reply = await call()
-                return result
+                return await call()
             finally:
                 self.control.in_flight -= 1
                 self.refresh_gauges()
 
     # -- /get_world_size ------------------------------------------------------------------------
 
-    async def _world_sizes(self, query: str) -> list[Outcome]:
-        # A query (vLLM's include_dp) is passed on as is; TRL sends none.
+    async def _world_sizes(
+        self, endpoint: str, query: str
+    ) -> tuple[list[Outcome], list[tuple[int, int]]]:
+        """Every member's world size, kept in ``book.sizes`` for the group's seats; refused when
+        none answered one. A query (vLLM's include_dp) is passed on as is; TRL sends none."""
         members = self.fleet.members()
         results = await self._fan(members, "GET", "/get_world_size", None, query or None)
-        outcomes: list[Outcome] = []
         for o, response in results:
             if response is not None:
                 try:
@@ -208,19 +195,18 @@ class WeightSync:
                     o.extra = {"world_size": o.value}
                 except ValueError as exc:
                     o.result, o.detail = "invalid", f"/get_world_size answer: {exc}"
-            outcomes.append(o)
-        return outcomes
+        outcomes = [o for o, _ in results]
+        sizes = [(o.replica, o.value) for o in outcomes if o.ok]
+        if not sizes:
+            raise self._refusal(endpoint, NO_SIZES, outcomes)
+        self.book.sizes = sizes
+        return outcomes, sizes
 
     async def get_world_size(self, query: str) -> Reply:
         async def call() -> Reply:
-            outcomes = await self._world_sizes(query)
-            ok = [o for o in outcomes if o.ok]
-            if not ok:
-                raise self._refusal("get_world_size", NO_SIZES, outcomes)
-            self.book.sizes = [(o.replica, o.value) for o in ok]
-            total = sum(o.value for o in ok)
-            body = {"world_size": total, "replicas": [o.as_dict() for o in outcomes]}
-            return Reply(200, body)
+            outcomes, sizes = await self._world_sizes("get_world_size", query)
+            total = sum(size for _, size in sizes)
+            return Reply(200, {"world_size": total, "replicas": [o.as_dict() for o in outcomes]})
 
         return await self._exclusive(call)
 
@@ -233,37 +219,30 @@ class WeightSync:
             raise InvalidRequest("'init_info' must be a JSON object", param="init_info")
         base = _int_field(info, "rank_offset", 0)
         world_size = _int_field(info, "world_size", 1)
+        endpoint = "init_weight_transfer_engine"
 
         async def call() -> Reply:
-            if self.book.sizes is None:
-                outcomes = await self._world_sizes("")
-                if not any(o.ok for o in outcomes):
-                    raise self._refusal("init_weight_transfer_engine", NO_SIZES, outcomes)
-                self.book.sizes = [(o.replica, o.value) for o in outcomes if o.ok]
-            group, total = seats(self.book.sizes, base)
+            sizes = self.book.sizes or (await self._world_sizes(endpoint, ""))[1]
+            group, total = seats(sizes, base)
             if world_size != total:
                 raise InvalidRequest(
                     f"init_weight_transfer_engine: world_size {world_size} does not match the "
                     f"fleet's group: rank_offset {base} + replicas' world sizes "
-                    f"{[s for _, s in self.book.sizes]} = {total} (ask /get_world_size again)",
+                    f"{[s for _, s in sizes]} = {total} (ask /get_world_size again)",
                     param="world_size",
                 )
-            by_index = {s.replica: s for s in group}
             replicas = [self.fleet.replicas[s.replica] for s in group]
             bodies = {
                 s.replica: {**body, "init_info": {**info, "rank_offset": s.rank_offset}}
                 for s in group
             }
-            results = await self._fan(replicas, "POST", "/init_weight_transfer_engine", bodies)
+            results = await self._fan(replicas, "POST", "/" + endpoint, bodies)
             outcomes = [o for o, _ in results]
-            for o in outcomes:
-                seat = by_index[o.replica]
+            for o, seat in zip(outcomes, group, strict=True):
                 o.extra = {"rank_offset": seat.rank_offset, "world_size": seat.world_size}
             if not all(o.ok for o in outcomes):
                 raise self._refusal(
-                    "init_weight_transfer_engine",
-                    "the group was not formed (no routing change)",
-                    outcomes,
+                    endpoint, "the group was not formed (no routing change)", outcomes
                 )
             master = info.get("master_address")
             port = info.get("master_port")
@@ -287,16 +266,11 @@ class WeightSync:
     async def _step(self, step: str, body: Any, label: str | None = None) -> Reply:
         endpoint = ENDPOINTS[step]
         seated = self._seated()
-        if step == "start":
-            self.book.begin(r.weights for r in self.fleet.replicas)
         results = await self._fan(seated, "POST", "/" + endpoint, {r.index: body for r in seated})
         outcomes = [o for o, _ in results]
         for o in outcomes:
             w = self.fleet.replicas[o.replica].weights
-            if o.ok:
-                self.book.applied(w, step)
-            else:
-                self.book.failed(w, step, o.describe())
+            self.book.record(w, step, None if o.ok else o.describe())
         extra: dict[str, Any] = {}
         if step == "finish":
             assert label is not None
