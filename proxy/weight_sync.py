@@ -35,8 +35,6 @@ from proxy.upstream import Upstream
 
 log = logging.getLogger("rollout_proxy.weights")
 
-NO_SIZES = "no replica reported its world size"
-
 
 @dataclass
 class Outcome(CallOutcome):
@@ -111,14 +109,12 @@ class WeightSync:
         status = response.status_code
         if status == 200:
             return Outcome(replica.index, "ok", 200), response
-        text = response.text[:300]
+        detail = response.text[:300]
         if status == 404:
             detail = (
                 f"{path} not found: the replica needs VLLM_SERVER_DEV_MODE=1 and "
                 '--weight-transfer-config \'{"backend": "nccl"}\''
             )
-        else:
-            detail = text
         return Outcome(replica.index, "refused" if status < 500 else "failed", status, detail), None
 
     async def _fan(
@@ -198,7 +194,7 @@ class WeightSync:
         outcomes = [o for o, _ in results]
         sizes = [(o.replica, o.value) for o in outcomes if o.ok]
         if not sizes:
-            raise self._refusal(endpoint, NO_SIZES, outcomes)
+            raise self._refusal(endpoint, "no replica reported its world size", outcomes)
         self.book.sizes = sizes
         return outcomes, sizes
 
@@ -263,7 +259,7 @@ class WeightSync:
 
     # -- start / update / finish -----------------------------------------------------------------
 
-    async def _step(self, step: str, body: Any, label: str | None = None) -> Reply:
+    async def _step(self, step: str, message: str, body: Any, label: str | None = None) -> Reply:
         endpoint = ENDPOINTS[step]
         seated = self._seated()
         results = await self._fan(seated, "POST", "/" + endpoint, {r.index: body for r in seated})
@@ -281,25 +277,19 @@ class WeightSync:
             if step == "finish":
                 what += f" (replicas {extra['serving']} serve weight version {label})"
             raise self._refusal(endpoint, what, outcomes)
-        messages = {
-            "start": "Weight update started",
-            "update": "Weights updated",
-            "finish": "Weight update finished",
-        }
         return Reply(
-            200,
-            {"message": messages[step], **extra, "replicas": [o.as_dict() for o in outcomes]},
+            200, {"message": message, **extra, "replicas": [o.as_dict() for o in outcomes]}
         )
 
     async def start(self, raw: bytes) -> Reply:
         body = parse_object(raw, optional=True)
-        return await self._exclusive(lambda: self._step("start", body))
+        return await self._exclusive(lambda: self._step("start", "Weight update started", body))
 
     async def update(self, raw: bytes) -> Reply:
         body = parse_object(raw)
         if not isinstance(body.get("update_info"), dict | list):
             raise InvalidRequest("'update_info' must be a JSON object or list", param="update_info")
-        return await self._exclusive(lambda: self._step("update", body))
+        return await self._exclusive(lambda: self._step("update", "Weights updated", body))
 
     async def finish(self, raw: bytes) -> Reply:
         body = parse_object(raw, optional=True)
@@ -310,6 +300,7 @@ class WeightSync:
 
         async def call() -> Reply:
             label = self.book.next_label(given)
-            return await self._step("finish", {**body, "weight_version": label}, label)
+            body["weight_version"] = label
+            return await self._step("finish", "Weight update finished", body, label)
 
         return await self._exclusive(call)

@@ -318,10 +318,8 @@ class Fleet:
             replica.paused = None
         if self.base_model is None and base_model is not None:
             self.base_model = base_model
-        if replica.status is Status.READY and lost:
-            replica.status = Status.RECONCILING
-            replica.needs_reconcile = True
-        if replica.status in (Status.PENDING, Status.EJECTED):
+        returning = replica.status in (Status.PENDING, Status.EJECTED)
+        if returning or (replica.status is Status.READY and lost):
             replica.status = Status.RECONCILING
             replica.needs_reconcile = True
 

@@ -19,7 +19,7 @@ MAX_WORLD_SIZE = 1 << 16
 # A weight version is echoed in a response header on every completion: short printable ASCII.
 MAX_VERSION_LEN = 128
 
-STEPS = ("start", "update", "finish")
+# A sync's steps, in order, and the replica endpoint of each.
 ENDPOINTS = {
     "start": "start_weight_update",
     "update": "update_weights",
@@ -171,7 +171,7 @@ class WeightBook:
         """Apply a finish: replicas that applied start, update and finish of this sync hold
         the new weights (returned); the fleet moves to them when there is at least one. Every
         other replica is stale from then on (its reason kept if it already had one)."""
-        whole = [i for i, w in members.items() if w.seat is not None and set(STEPS) <= w.steps]
+        whole = [i for i, w in members.items() if w.seat is not None and set(ENDPOINTS) <= w.steps]
         if not whole:
             for w in members.values():
                 if w.seat is not None and "finish" in w.steps and w.stale is None:
