@@ -37,11 +37,11 @@ log = logging.getLogger("rollout_proxy.reconciler")
 MAX_DETAIL_CHARS = 300
 
 # Per-replica outcomes, by what they mean for a broadcast. UNREACHED: ejected, reconciled later.
-# FAILED (5xx, a mount that never caught up): ejected when others applied the call, else the
-# call's verdict. REFUSED (4xx, a verdict on the request itself): the call is refused.
+# REFUSED (4xx, a verdict on the request itself): the call is refused. Any other ("failed": 5xx;
+# "mount_lag_timeout": a mount that never caught up) is ejected when others applied the call,
+# else it is the call's verdict.
 APPLIED = frozenset({"ok", "already_loaded", "absent"})
 UNREACHED = frozenset({"unreachable", "timeout"})
-FAILED = frozenset({"failed", "mount_lag_timeout"})
 REFUSED = frozenset({"refused"})
 
 
@@ -93,8 +93,7 @@ class Verdict:
 
     applied: list[Outcome] = field(default_factory=list)
     refused: list[Outcome] = field(default_factory=list)
-    failed: list[Outcome] = field(default_factory=list)
-    unreached: list[Outcome] = field(default_factory=list)
+    failed: list[Outcome] = field(default_factory=list)  # the unreached: in none (ejected)
 
     @property
     def success(self) -> bool:
@@ -110,9 +109,7 @@ def verdict(outcomes: list[Outcome]) -> Verdict:
             v.applied.append(o)
         elif o.result in REFUSED:
             v.refused.append(o)
-        elif o.result in UNREACHED:
-            v.unreached.append(o)
-        else:
+        elif o.result not in UNREACHED:
             v.failed.append(o)
     return v
 

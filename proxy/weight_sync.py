@@ -79,11 +79,14 @@ class WeightSync:
     def book(self) -> WeightBook:
         return self.fleet.weights
 
-    # -- one call to one replica ---------------------------------------------------------------
+    # -- one call to each replica --------------------------------------------------------------
 
     async def _call(
-        self, replica: Replica, method: str, path: str, body: Any = None, params: str | None = None
+        self, replica: Replica, method: str, path: str, body: Any, params: str | None
     ) -> tuple[Outcome, httpx.Response | None]:
+        if replica.status is Status.REMOVED:
+            detail = "removed from the fleet; its ranks cannot take part in the group"
+            return Outcome(replica.index, "removed", None, detail), None
         limit = self.settings.control_timeout_s
         timeout = httpx.Timeout(limit, connect=min(self.settings.connect_timeout_s, limit))
         try:
@@ -125,18 +128,13 @@ class WeightSync:
         bodies: dict[int, Any] | None = None,
         params: str | None = None,
     ) -> list[tuple[Outcome, httpx.Response | None]]:
-        endpoint = path.lstrip("/")
-
-        async def one(r: Replica) -> tuple[Outcome, httpx.Response | None]:
-            if r.status is Status.REMOVED:
-                detail = "removed from the fleet; its ranks cannot take part in the group"
-                return Outcome(r.index, "removed", None, detail), None
-            body = bodies.get(r.index) if bodies else None
-            return await self._call(r, method, path, body, params)
-
-        results = list(await asyncio.gather(*(one(r) for r in replicas)))
+        calls = (
+            self._call(r, method, path, bodies.get(r.index) if bodies else None, params)
+            for r in replicas
+        )
+        results = await asyncio.gather(*calls)
         for o, _ in results:
-            self.metrics.broadcasts.labels(endpoint, str(o.replica), o.result).inc()
+            self.metrics.broadcasts.labels(path.lstrip("/"), str(o.replica), o.result).inc()
         return results
 
     # -- answers --------------------------------------------------------------------------------
