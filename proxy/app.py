@@ -9,7 +9,7 @@ proxy through an ASGI transport without sockets.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -25,7 +25,7 @@ from proxy.control import ControlPlane, Reply
 from proxy.core import native
 from proxy.core.extract import Tokenizer
 from proxy.core.fleet import Fleet, Replica, Status
-from proxy.core.hashing import BlockHasher, make_hasher
+from proxy.core.hashing import make_hasher
 from proxy.core.policy import POLICIES, Policy, make_policy
 from proxy.core.prefix_index import PrefixIndex
 from proxy.core.router import Router
@@ -38,7 +38,7 @@ from proxy.errors import (
     UpstreamUnavailable,
 )
 from proxy.health import HealthMonitor
-from proxy.hotpath import DataPath, ProxyApp, parse_json
+from proxy.hotpath import HOT_ROUTES, DataPath, ProxyApp, parse_json
 from proxy.membership import Membership, describe
 from proxy.metrics import Metrics
 from proxy.probes import Probes
@@ -130,13 +130,17 @@ def build_runtime(settings: Settings, transport: httpx.AsyncBaseTransport | None
     metrics.native.labels("c" if use_native else "python").set(1)
     fleet = Fleet(settings.replicas, eject_after=settings.eject_after)
     upstream = Upstream(settings, transport)
-    # The KV-event views read the router's block size and hasher each time they use them: the
-    # router adopts the replicas' own at start-up (configure_routing).
-    kv_events = (
-        _kv_events(settings, fleet, lambda: router.block_size, lambda: router.hasher)
-        if settings.kv_events
-        else None
-    )
+    kv_events: KvEvents | None = None
+    if settings.kv_events:  # precise routing: proxy/kv_events.py
+        try:
+            from proxy.kv_events import KvEvents
+        except ImportError as exc:  # pragma: no cover - depends on the install
+            raise RuntimeError(
+                "PROXY_KV_EVENTS needs the [kv-events] extra (pyzmq, msgpack)"
+            ) from exc
+        # Read each time they are used: the router adopts the replicas' block size and hasher at
+        # start-up (configure_routing).
+        kv_events = KvEvents(settings, fleet, lambda: router.block_size, lambda: router.hasher)
     router = Router(
         make_hasher(
             settings.hash_mode,
@@ -205,20 +209,6 @@ def _policy(settings: Settings) -> Policy:
     return make_policy(settings.policy, settings.imbalance)
 
 
-def _kv_events(
-    settings: Settings,
-    fleet: Fleet,
-    block_size: Callable[[], int],
-    hasher: Callable[[], BlockHasher],
-) -> KvEvents:
-    """Precise routing: the events views score replicas, the data path checks predictions."""
-    try:
-        from proxy.kv_events import KvEvents
-    except ImportError as exc:  # pragma: no cover - depends on the install
-        raise RuntimeError("PROXY_KV_EVENTS needs the [kv-events] extra (pyzmq, msgpack)") from exc
-    return KvEvents(settings, fleet, block_size, hasher)
-
-
 def configure_routing(rt: Runtime) -> None:
     """Adopt the replicas' block size and hash algorithm unless set explicitly; refuse to
     route when they disagree (a prefix index keyed on the wrong block size is useless)."""
@@ -244,12 +234,6 @@ def configure_routing(rt: Runtime) -> None:
         log.error(rt.data.routing_error)
 
 
-def _reply(reply: Reply) -> Response:
-    if reply.media_type == "text/plain":
-        return PlainTextResponse(str(reply.body), reply.status)
-    return JSONResponse(reply.body, reply.status)
-
-
 def create_app(
     settings: Settings,
     transport: httpx.AsyncBaseTransport | None = None,
@@ -270,7 +254,6 @@ def create_app(
     _error_handlers(app, rt, echo_secrets)
     _probe_routes(app, rt)
     _control_routes(app, rt)
-    _weight_routes(app, rt)
     _forward_routes(app, rt)
     _admin_routes(app, rt)
     return app
@@ -400,55 +383,43 @@ def _probe_routes(app: FastAPI, rt: Runtime) -> None:
 
 
 def _control_routes(app: FastAPI, rt: Runtime) -> None:
-    @app.post("/v1/load_lora_adapter", openapi_extra=LOAD_BODY)
-    async def load_lora_adapter(request: Request) -> Response:
-        return _reply(await rt.control.load_adapter(await request.body()))
+    """TRL's control calls (proxy/control.py) and its merged-weight sync, vLLM's weight
+    transfer to every replica (proxy/weight_sync.py). A route's name, and so its OpenAPI
+    operation id, is its path's last segment."""
 
-    @app.post("/v1/unload_lora_adapter", openapi_extra=UNLOAD_BODY)
-    async def unload_lora_adapter(request: Request) -> Response:
-        return _reply(await rt.control.unload_adapter(await request.body()))
+    def route(
+        path: str,
+        call: Callable[[bytes, str], Awaitable[Reply]],
+        method: str = "POST",
+        body: dict[str, Any] | None = None,
+    ) -> None:
+        async def endpoint(request: Request) -> Response:
+            reply = await call(await request.body(), request.url.query)
+            if reply.media_type == "text/plain":
+                return PlainTextResponse(str(reply.body), reply.status)
+            return JSONResponse(reply.body, reply.status)
 
-    @app.post("/pause")
-    async def pause(request: Request) -> Response:
-        return _reply(await rt.control.pause(request.url.query))
+        name = path.rsplit("/", 1)[-1]
+        app.add_api_route(path, endpoint, methods=[method], name=name, openapi_extra=body)
 
-    @app.post("/resume")
-    async def resume() -> Response:
-        return _reply(await rt.control.resume())
-
-    @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache(request: Request) -> Response:
-        return _reply(await rt.control.reset_prefix_cache(request.url.query))
-
-
-def _weight_routes(app: FastAPI, rt: Runtime) -> None:
-    """TRL's merged-weight sync (vLLM weight transfer) to every replica: proxy/weight_sync.py."""
-
-    @app.get("/get_world_size")
-    async def get_world_size(request: Request) -> Response:
-        return _reply(await rt.weights.get_world_size(request.url.query))
-
-    @app.post("/init_weight_transfer_engine")
-    async def init_weight_transfer_engine(request: Request) -> Response:
-        return _reply(await rt.weights.init(await request.body()))
-
-    @app.post("/start_weight_update")
-    async def start_weight_update(request: Request) -> Response:
-        return _reply(await rt.weights.start(await request.body()))
-
-    @app.post("/update_weights")
-    async def update_weights(request: Request) -> Response:
-        return _reply(await rt.weights.update(await request.body()))
-
-    @app.post("/finish_weight_update")
-    async def finish_weight_update(request: Request) -> Response:
-        return _reply(await rt.weights.finish(await request.body()))
+    route("/v1/load_lora_adapter", lambda body, _: rt.control.load_adapter(body), body=LOAD_BODY)
+    route(
+        "/v1/unload_lora_adapter", lambda body, _: rt.control.unload_adapter(body), body=UNLOAD_BODY
+    )
+    route("/pause", lambda _, query: rt.control.pause(query))
+    route("/resume", lambda *_: rt.control.resume())
+    route("/reset_prefix_cache", lambda _, query: rt.control.reset_prefix_cache(query))
+    route("/get_world_size", lambda _, query: rt.weights.get_world_size(query), "GET")
+    route("/init_weight_transfer_engine", lambda body, _: rt.weights.init(body))
+    route("/start_weight_update", lambda body, _: rt.weights.start(body))
+    route("/update_weights", lambda body, _: rt.weights.update(body))
+    route("/finish_weight_update", lambda body, _: rt.weights.finish(body))
 
 
 def _forward_routes(app: FastAPI, rt: Runtime) -> None:
     """Any other ``/v1/*`` path, forwarded to one ready replica."""
 
-    async def forward_one(request: Request) -> Response:
+    async def forward_other(request: Request, rest: str) -> Response:
         ready = [r for r in rt.fleet.members() if r.status is Status.READY and r.weights.ok]
         if not ready:
             raise UpstreamUnavailable("no replica is ready", status_code=503)
@@ -466,9 +437,6 @@ def _forward_routes(app: FastAPI, rt: Runtime) -> None:
         if "content-type" in response.headers:
             headers["content-type"] = response.headers["content-type"]
         return Response(response.content, response.status_code, headers)
-
-    async def forward_other(request: Request, rest: str) -> Response:
-        return await forward_one(request)
 
     # One route per method: a multi-method route gives every method the same OpenAPI operation
     # id, and FastAPI warns on each /openapi.json (an error under the tests' warning filter).
@@ -516,8 +484,7 @@ def _admin_routes(app: FastAPI, rt: Runtime) -> None:
 def _route_of(request: Request) -> str:
     path = request.url.path
     return {
-        "/v1/completions": "completions",
-        "/v1/chat/completions": "chat_completions",
+        **HOT_ROUTES,
         "/v1/models": "models",
         "/health": "health",
         "/server_info": "server_info",
@@ -552,9 +519,7 @@ def fleet_snapshot(rt: Runtime) -> dict[str, Any]:
 
 
 def _replica_view(fleet: Fleet, replica: Replica) -> dict[str, Any]:
-    """One replica in /admin/fleet (what ``python -m proxy status`` shows): its description,
-    what it is waiting for, the desired adapters it lacks and the ones it holds beyond them,
-    the recent prefix-cache hit rate and, where the fleet records one, its weight version."""
+    """One replica in /admin/fleet (what ``python -m proxy status`` shows)."""
     view = describe(replica)
     plan = fleet.plan(replica)
     view["waiting_for"] = fleet.waiting_for(replica)

@@ -1,13 +1,10 @@
 """TRL's control calls: adapter load/unload, pause, resume, cache reset.
 
 Each call records the desired state first (``Fleet.desired_*``), then applies its action to every
-member replica in parallel through the reconciler; calls are serialised by ``lock`` and never
-wait for the health loop. One rule answers every endpoint (``reconciler.verdict``; TRL retries
-none of them): 200 when every replica that answered applied it (the unreachable and the failed
-are ejected and reconciled later); refused with every replica's outcome otherwise, a 4xx passed
-on as is but never 404 (TRL reads a 404 on load as "runtime LoRA updating disabled"). load and
-pause are all-or-nothing: a refused one restores the previous desired state and rolls back the
-replicas that applied it. docs/reliability.md has the whole contract.
+member replica in parallel through the reconciler, one call at a time and never waiting for the
+health loop. ``reconciler.verdict`` answers every endpoint; load and pause are all-or-nothing (a
+refused one restores the previous desired state and rolls back the replicas that applied it).
+docs/reliability.md has the whole contract.
 """
 
 from __future__ import annotations
@@ -15,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from proxy.errors import (
@@ -38,7 +36,6 @@ class Reply:
     status: int
     body: Any
     media_type: str = "application/json"
-    outcomes: list[Outcome] = field(default_factory=list)
 
 
 def parse_object(raw: bytes, *, optional: bool = False) -> dict[str, Any]:
@@ -65,10 +62,6 @@ def parse_adapter_body(raw: bytes, need_path: bool) -> tuple[dict[str, Any], str
     return body, name, path if isinstance(path, str) else None
 
 
-def _summary(outcomes: list[Outcome]) -> str:
-    return "; ".join(o.describe() for o in outcomes)
-
-
 class ControlPlane:
     """The control endpoints over the one ``Reconciler`` (which owns the fleet, router, upstream
     and clock they act through)."""
@@ -77,17 +70,21 @@ class ControlPlane:
         self, reconciler: Reconciler, *, path_check: Callable[[str], None] | None = None
     ) -> None:
         self.reconciler = reconciler
-        self.settings = reconciler.settings
         self.fleet = reconciler.fleet
         self.router = reconciler.router
-        self.metrics = reconciler.metrics
-        self.clock = reconciler.clock
         self.path_check = path_check
         self.lock = asyncio.Lock()  # control calls, one at a time (the health loop never takes it)
         self.in_flight = 0  # control calls under way: the health loop leaves READY replicas alone
 
-    def refresh_adapter_gauges(self) -> None:
-        self.reconciler.refresh_adapter_gauges()
+    @asynccontextmanager
+    async def _serialised(self) -> AsyncIterator[None]:
+        async with self.lock:
+            self.in_flight += 1
+            try:
+                yield
+            finally:
+                self.in_flight -= 1
+                self.reconciler.changes.notify()  # desired state moved: waiting rollouts re-check
 
     async def _broadcast(
         self, endpoint: str, action: Action, deadline: float | None = None
@@ -105,22 +102,33 @@ class ControlPlane:
                     self.fleet.replicas[o.replica], f"{endpoint} failed: {o.describe()}"
                 )
         for o in outcomes:
-            self.metrics.broadcasts.labels(endpoint, str(o.replica), o.result).inc()
+            self.reconciler.metrics.broadcasts.labels(endpoint, str(o.replica), o.result).inc()
         return outcomes, result
 
+    async def _undo(self, applied: list[Outcome], action: Action) -> list[Outcome]:
+        """``action`` on every replica in ``applied`` (a refused call's rollback)."""
+        replicas = self.fleet.replicas
+        return list(
+            await asyncio.gather(
+                *(self.reconciler.apply(replicas[o.replica], action) for o in applied)
+            )
+        )
+
     def _refusal(self, endpoint: str, what: str, outcomes: list[Outcome], v: Verdict) -> ProxyError:
-        message = f"{endpoint}: {what}: {_summary(outcomes)}"
+        """The error for a refused call; TRL retries none, and reads a 404 on load as "runtime
+        LoRA updating disabled", so a replica's 4xx is passed on as is but never as 404."""
+        message = f"{endpoint}: {what}: {'; '.join(o.describe() for o in outcomes)}"
         details = [o.as_dict() for o in outcomes]
         if v.refused:
             statuses = {o.http_status for o in v.refused}
             status = statuses.pop() if len(statuses) == 1 else 400
             if status is None or status == 404 or not 400 <= status < 500:
-                status = 400  # never 404: TRL would blame VLLM_ALLOW_RUNTIME_LORA_UPDATING
+                status = 400
             return BroadcastFailed(message, status_code=status, details=details)
         if v.failed and all(o.result == "mount_lag_timeout" for o in v.failed):
             return UpstreamTimeout(
                 message + f". The adapter path did not become readable within "
-                f"{self.settings.lora_load_timeout_s:g}s (PROXY_LORA_LOAD_TIMEOUT_S).",
+                f"{self.reconciler.settings.lora_load_timeout_s:g}s (PROXY_LORA_LOAD_TIMEOUT_S).",
                 param="lora_path",
                 details=details,
             )
@@ -128,25 +136,13 @@ class ControlPlane:
             return BroadcastFailed(message, status_code=502, details=details)
         return UpstreamUnavailable(message, status_code=503, details=details)
 
-    async def _run(self, endpoint: str, call: Callable[[], Awaitable[Reply]]) -> Reply:
-        async with self.lock:
-            self.in_flight += 1
-            try:
-                return await call()
-            finally:
-                self.in_flight -= 1
-                self.reconciler.changes.notify()  # desired state moved: waiting rollouts re-check
-
-    # -- load -------------------------------------------------------------------------------
-
     async def load_adapter(self, raw: bytes) -> Reply:
         body, name, path = parse_adapter_body(raw, need_path=True)
         assert path is not None
         if self.path_check is not None:
             self.path_check(path)
-
-        async def call() -> Reply:
-            started = self.clock()
+        async with self._serialised():
+            started = self.reconciler.clock()
             previous = self.fleet.desired_adapters.get(name)
             if previous is not None and previous != path and not body.get("load_inplace"):
                 raise BroadcastFailed(
@@ -158,25 +154,21 @@ class ControlPlane:
             self.fleet.desired_adapters[name] = path  # desired first, then applied
             extra = {k: v for k, v in body.items() if k not in ("lora_name", "lora_path")}
             action = Action("load", name=name, path=path, body=extra)
-            deadline = started + self.settings.lora_load_timeout_s
+            deadline = started + self.reconciler.settings.lora_load_timeout_s
             outcomes, v = await self._broadcast("load_lora_adapter", action, deadline)
             if not v.success:
                 await self._undo_load(name, previous, v)
-                self.refresh_adapter_gauges()
+                self.reconciler.refresh_adapter_gauges()
                 raise self._refusal(
                     "load_lora_adapter",
                     f"adapter {name!r} was not loaded on the fleet (all-or-nothing; rolled back)",
                     outcomes,
                     v,
                 )
-            self.metrics.publish_seconds.observe(self.clock() - started)
-            self.refresh_adapter_gauges()
+            self.reconciler.metrics.publish_seconds.observe(self.reconciler.clock() - started)
+            self.reconciler.refresh_adapter_gauges()
             log.info("adapter %s loaded on replicas %s", name, [o.replica for o in v.applied])
-            return Reply(
-                200, f"Success: LoRA adapter '{name}' added successfully.", "text/plain", outcomes
-            )
-
-        return await self._run("load_lora_adapter", call)
+            return Reply(200, f"Success: LoRA adapter '{name}' added successfully.", "text/plain")
 
     async def _undo_load(self, name: str, previous: str | None, v: Verdict) -> None:
         if previous is None:
@@ -184,12 +176,7 @@ class ControlPlane:
         else:
             self.fleet.desired_adapters[name] = previous
         undo = [o for o in v.applied if o.result == "ok"]
-        results = await asyncio.gather(
-            *(
-                self.reconciler.apply(self.fleet.replicas[o.replica], Action("unload", name=name))
-                for o in undo
-            )
-        )
+        results = await self._undo(undo, Action("unload", name=name))
         for o, undone in zip(undo, results, strict=True):
             if undone.result in APPLIED:
                 o.result += ", rolled back"
@@ -197,16 +184,13 @@ class ControlPlane:
                 o.result += ", ROLLBACK FAILED"
                 o.detail = (o.detail + "; " if o.detail else "") + undone.describe()
 
-    # -- unload -----------------------------------------------------------------------------
-
     async def unload_adapter(self, raw: bytes) -> Reply:
         _, name, _ = parse_adapter_body(raw, need_path=False)
-
-        async def call() -> Reply:
+        async with self._serialised():
             self.fleet.desired_adapters.pop(name, None)
             self.router.purge_model(name)
             outcomes, v = await self._broadcast("unload_lora_adapter", Action("unload", name=name))
-            self.refresh_adapter_gauges()
+            self.reconciler.refresh_adapter_gauges()
             if not v.success:
                 raise self._refusal(
                     "unload_lora_adapter",
@@ -216,28 +200,18 @@ class ControlPlane:
                 )
             if all(o.result == "absent" for o in v.applied) and not v.failed:
                 # vLLM's own answer for an unknown adapter; TRL ignores unload responses.
-                return Reply(
-                    404,
-                    {
-                        "error": {
-                            "message": f"The lora adapter '{name}' cannot be found.",
-                            "type": "NotFoundError",
-                            "param": "lora_name",
-                            "code": 404,
-                        }
-                    },
-                    outcomes=outcomes,
-                )
-            return Reply(
-                200, f"Success: LoRA adapter '{name}' removed successfully.", "text/plain", outcomes
-            )
-
-        return await self._run("unload_lora_adapter", call)
-
-    # -- pause / resume / reset -------------------------------------------------------------
+                message = f"The lora adapter '{name}' cannot be found."
+                error = {
+                    "message": message,
+                    "type": "NotFoundError",
+                    "param": "lora_name",
+                    "code": 404,
+                }
+                return Reply(404, {"error": error})
+            return Reply(200, f"Success: LoRA adapter '{name}' removed successfully.", "text/plain")
 
     async def pause(self, query: str) -> Reply:
-        async def call() -> Reply:
+        async with self._serialised():
             was_paused, was_query = self.fleet.desired_paused, self.fleet.pause_query
             self.fleet.desired_paused, self.fleet.pause_query = True, query
             outcomes, v = await self._broadcast("pause", Action("pause", query=query))
@@ -246,37 +220,26 @@ class ControlPlane:
             if not v.success:
                 self.fleet.desired_paused, self.fleet.pause_query = was_paused, was_query
                 if not was_paused:
-                    undone = await asyncio.gather(
-                        *(
-                            self.reconciler.apply(self.fleet.replicas[o.replica], Action("resume"))
-                            for o in v.applied
-                        )
-                    )
+                    undone = await self._undo(v.applied, Action("resume"))
                     for o, u in zip(v.applied, undone, strict=True):
                         o.result = "ok, rolled back" if u.result == "ok" else "ok, RESUME FAILED"
                 raise self._refusal("pause", "not applied (all-or-nothing)", outcomes, v)
-            return Reply(200, {"status": "paused"}, outcomes=outcomes)
-
-        return await self._run("pause", call)
+            return Reply(200, {"status": "paused"})
 
     async def resume(self) -> Reply:
-        async def call() -> Reply:
+        async with self._serialised():
             self.fleet.desired_paused = False
             outcomes, v = await self._broadcast("resume", Action("resume"))
             if not v.success:
                 raise self._refusal(
                     "resume", "not applied (reconciliation keeps trying)", outcomes, v
                 )
-            return Reply(200, {"status": "resumed"}, outcomes=outcomes)
-
-        return await self._run("resume", call)
+            return Reply(200, {"status": "resumed"})
 
     async def reset_prefix_cache(self, query: str) -> Reply:
-        async def call() -> Reply:
+        async with self._serialised():
             outcomes, v = await self._broadcast("reset_prefix_cache", Action("reset", query=query))
             self.router.purge_all()
             if not v.success:
                 raise self._refusal("reset_prefix_cache", "not applied", outcomes, v)
-            return Reply(200, {"status": "ok"}, outcomes=outcomes)
-
-        return await self._run("reset_prefix_cache", call)
+            return Reply(200, {"status": "ok"})

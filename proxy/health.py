@@ -1,9 +1,6 @@
-"""Background probes, observation and reconciliation: the health loop (docs/reliability.md,
-Fleet). Every ``health_interval_s`` each member replica is probed and observed in parallel,
-without any lock (a control call never waits for a probe); failures count towards ejection, and
-a replica that answers again or lost a desired adapter is handed to ``proxy.reconciler`` before
-it is READY again. Observed state is known or unknown, never guessed; an observation that
-overlapped an apply on the same replica (``Replica.generation`` moved) is discarded.
+"""The health loop: every ``health_interval_s`` each member replica is probed and observed in
+parallel, without any lock (a control call never waits for a probe), and handed to
+``proxy.reconciler`` when it is behind the desired state (docs/reliability.md, Fleet).
 """
 
 from __future__ import annotations
@@ -119,19 +116,23 @@ class HealthMonitor:
     # -- probes -----------------------------------------------------------------------------
 
     async def _get(self, replica: Replica, path: str) -> Any:
-        response = await self.upstream.call(
+        return await self.upstream.call(
             replica.index, replica.url, "GET", path, timeout=self.upstream.probe_timeout
         )
-        return response
 
-    async def probe_health(self, replica: Replica) -> str | None:
-        """None when healthy, else why not."""
+    async def _look(self, replica: Replica) -> str | None:
+        """Probe a replica's /health, then scrape and observe it: None when it answered all,
+        else why not."""
         try:
             response = await self._get(replica, "/health")
         except ProxyError as exc:
             return exc.message
         if response.status_code != 200:
             return f"/health answered {response.status_code}"
+        try:
+            await asyncio.gather(self.scrape(replica), self.observe(replica))
+        except (ProxyError, ValueError) as exc:
+            return f"observe failed: {exc}"
         return None
 
     async def read_paused(self, replica: Replica) -> bool | None:
@@ -202,14 +203,9 @@ class HealthMonitor:
         mount or a slow replica must not delay the other replicas' ejections)."""
         if replica.status is Status.REMOVED:
             return
-        problem = await self.probe_health(replica)
+        problem = await self._look(replica)
         if problem is not None:
             self.control.reconciler.note_failure(replica, problem)
-            return
-        try:
-            await asyncio.gather(self.scrape(replica), self.observe(replica))
-        except (ProxyError, ValueError) as exc:
-            self.control.reconciler.note_failure(replica, f"observe failed: {exc}")
             return
         if not self._needs_converging(replica):
             self.metrics.replica_healthy.labels(str(replica.index)).set(
@@ -237,33 +233,25 @@ class HealthMonitor:
     async def run_round(self) -> None:
         await asyncio.gather(*(self.check(r) for r in self.fleet.members()))
 
-    async def start_up(self) -> list[str]:
+    async def start_up(self) -> None:
         """First contact: adopt the adapters and pause state replicas already have (a proxy
         restart mid-training loses nothing), then reconcile everyone to it."""
         observed: dict[int, dict[str, str]] = {}
         paused: dict[int, bool | None] = {}
 
-        async def look(replica: Replica) -> None:
-            if await self.probe_health(replica) is not None:
-                return
-            try:
-                await self.observe(replica)
-            except (ProxyError, ValueError):
-                return
-            observed[replica.index] = dict(replica.adapters)
-            paused[replica.index] = replica.paused if replica.paused_observed else None
-            await self.scrape(replica)
+        async def adopt(replica: Replica) -> None:
+            if await self._look(replica) is None:
+                observed[replica.index] = dict(replica.adapters)
+                paused[replica.index] = replica.paused if replica.paused_observed else None
 
-        await asyncio.gather(*(look(r) for r in self.fleet.members()))
-        conflicts = self.fleet.adopt(observed, paused)
-        for name in conflicts:
+        await asyncio.gather(*(adopt(r) for r in self.fleet.members()))
+        for name in self.fleet.adopt(observed, paused):
             log.warning(
                 "adapter %s is loaded with different paths on different replicas; "
                 "reconciling to the most common path",
                 name,
             )
         await asyncio.gather(*(self.check(r, wait=True) for r in self.fleet.members()))
-        return conflicts
 
     # -- lifecycle --------------------------------------------------------------------------
 

@@ -1,11 +1,7 @@
-"""Runtime fleet membership: add, drain and remove replicas without restarting the proxy.
-
-* add: the new replica gets the next index (indexes are never reused, so metrics labels and
-  X-Proxy-Replica values keep their meaning), is reconciled to the desired adapters and pause
-  state, and only then takes traffic.
-* drain: no new requests; in-flight ones finish; broadcasts still reach it (its in-flight
-  requests may name any published adapter).
-* remove: drain, wait for in-flight requests to finish (bounded), then forget it.
+"""Runtime fleet membership: add, drain and remove replicas without restarting the proxy
+(docs/reliability.md, Fleet). Indexes are never reused, so metric labels and X-Proxy-Replica
+values keep their meaning; a draining replica still gets broadcasts (its in-flight requests may
+name any published adapter).
 """
 
 from __future__ import annotations

@@ -50,10 +50,8 @@ class Probes:
         return list(await asyncio.gather(*(one(r) for r in replicas)))
 
     async def health(self, strict: bool = False) -> tuple[int, dict[str, Any]]:
-        """/health: 200 while at least one replica answers its own /health and may take traffic
-        (503 otherwise); ``strict``: 200 only when every replica answers, is READY and holds the
-        desired state. The body names each replica's state and what it waits for. Rules:
-        docs/reliability-publish.md."""
+        """/health's status and body, each replica's state and what it waits for (rules:
+        docs/reliability-publish.md)."""
         fleet = self.fleet
         members = fleet.members()
         answers = await self._fan(members, "/health")
@@ -77,31 +75,15 @@ class Probes:
             replicas[str(r.index)] = entry
         body: dict[str, Any] = {"serving": serving, "replicas": replicas}
         if strict and short:
-            return 503, {
-                "status": "not converged",
-                "message": f"replicas {short} are not ready in the desired state",
-                **body,
-            }
-        if not serving:
-            return 503, {
-                "status": "unavailable",
-                "message": f"no replica can serve (replicas {short} are not ready)",
-                **body,
-            }
-        if short:
-            return 200, {
-                "status": "degraded",
-                "message": f"replicas {serving} serve; replicas {short} are not ready",
-                **body,
-            }
-        return 200, {"status": "ok", **body}
-
-    def _serving(self) -> list[Replica]:
-        serving = self.fleet.serving()
-        if not serving:
-            states = ", ".join(f"{r.index}={r.status.value}" for r in self.fleet.members())
-            raise UpstreamUnavailable(f"no replica is in service ({states})", status_code=503)
-        return serving
+            verdict = 503, "not converged", f"replicas {short} are not ready in the desired state"
+        elif not serving:
+            verdict = 503, "unavailable", f"no replica can serve (replicas {short} are not ready)"
+        elif short:
+            verdict = 200, "degraded", f"replicas {serving} serve; replicas {short} are not ready"
+        else:
+            return 200, {"status": "ok", **body}
+        code, status, message = verdict
+        return code, {"status": status, "message": message, **body}
 
     async def _json_all(
         self, path: str, params: str | None = None, timeout: httpx.Timeout | None = None
@@ -109,7 +91,10 @@ class Probes:
         """The JSON-object answers of the serving replicas that gave one. Replicas that failed
         are left out while at least one answered (one dead replica must not fail TRL's probe);
         when none did, the error names each replica and its reason."""
-        serving = self._serving()
+        serving = self.fleet.serving()
+        if not serving:
+            states = ", ".join(f"{r.index}={r.status.value}" for r in self.fleet.members())
+            raise UpstreamUnavailable(f"no replica is in service ({states})", status_code=503)
         answers = await self._fan(serving, path, params, timeout)
         out: list[tuple[Replica, dict[str, Any]]] = []
         problems: list[str] = []

@@ -79,12 +79,9 @@ def settle_garbage_collector() -> None:
 
 
 def http_protocol(app: Any) -> Any:
-    """uvicorn's ``http`` setting for ``app``: the protocol that serves completions itself
-    (proxy/front.py), or uvicorn's own choice for an app without a data path. Refuses a uvicorn
-    whose protocol lacks what the front relies on (pyproject.toml pins the tested range)."""
-    data_path = getattr(app, "data_path", None)
-    if data_path is None:
-        return "auto"
+    """uvicorn's ``http`` setting for the proxy's ``app``: the protocol that serves completions
+    itself (proxy/front.py). Refuses a uvicorn whose protocol lacks what the front relies on
+    (pyproject.toml pins the tested range)."""
     from proxy.front import front_protocol, unsupported
 
     problem = unsupported()
@@ -93,7 +90,7 @@ def http_protocol(app: Any) -> Any:
             f"uvicorn {uvicorn.__version__} is outside the range rollout-proxy is tested with "
             f"(pyproject.toml): {problem}"
         )
-    return front_protocol(data_path, app.shutdown)
+    return front_protocol(app.data_path, app.shutdown)
 
 
 def serve(app: Any, settings: Settings, shutdown: Shutdown) -> None:

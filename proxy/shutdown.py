@@ -1,11 +1,9 @@
 """Graceful shutdown: what SIGTERM does to requests in flight (docs/reliability.md, Shutdown).
 
 Kubernetes SIGKILLs after its grace period, so waiting for every request (uvicorn's default)
-would leave rollouts reset with no word why. On the first signal (proxy/server.py): ``/health``
-answers 503, the listener closes, requests in flight get ``PROXY_SHUTDOWN_GRACE_S``, and those
-still running then are answered 503 with an OpenAI-shaped error when nothing of their response
-was sent yet (a stream under way is cut off). This module holds the state; the server drives
-it, ``ProxyApp`` registers every request.
+would leave rollouts reset with no word why: requests still running when
+``PROXY_SHUTDOWN_GRACE_S`` ends are answered 503 instead. This module holds the state; the
+server (proxy/server.py) drives it, ``ProxyApp`` registers every request.
 """
 
 from __future__ import annotations
