@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,11 +165,13 @@ class WeightSync:
             self.metrics.weight_seq.labels(label).set(r.weights.seq)
             self.metrics.weights_stale.labels(label).set(0 if r.weights.ok else 1)
 
-    async def _exclusive(self, call: Callable[[], Awaitable[Reply]]) -> Reply:
+    @asynccontextmanager
+    async def _exclusive(self) -> AsyncIterator[None]:
+        """Serialised with the control calls, and counted among them (``control.in_flight``)."""
         async with self.control.lock:
             self.control.in_flight += 1
             try:
-                return await call()
+                yield
             finally:
                 self.control.in_flight -= 1
                 self.refresh_gauges()
@@ -197,12 +200,10 @@ class WeightSync:
         return outcomes, sizes
 
     async def get_world_size(self, query: str) -> Reply:
-        async def call() -> Reply:
+        async with self._exclusive():
             outcomes, sizes = await self._world_sizes("get_world_size", query)
-            total = sum(size for _, size in sizes)
-            return Reply(200, {"world_size": total, "replicas": [o.as_dict() for o in outcomes]})
-
-        return await self._exclusive(call)
+        total = sum(size for _, size in sizes)
+        return Reply(200, {"world_size": total, "replicas": [o.as_dict() for o in outcomes]})
 
     # -- /init_weight_transfer_engine ------------------------------------------------------------
 
@@ -214,8 +215,7 @@ class WeightSync:
         base = _int_field(info, "rank_offset", 0)
         world_size = _int_field(info, "world_size", 1)
         endpoint = "init_weight_transfer_engine"
-
-        async def call() -> Reply:
+        async with self._exclusive():
             sizes = self.book.sizes or (await self._world_sizes(endpoint, ""))[1]
             group, total = seats(sizes, base)
             if world_size != total:
@@ -253,23 +253,26 @@ class WeightSync:
                 },
             )
 
-        return await self._exclusive(call)
-
     # -- start / update / finish -----------------------------------------------------------------
 
-    async def _step(self, step: str, message: str, body: Any, label: str | None = None) -> Reply:
+    async def _step(
+        self, step: str, message: str, body: dict[str, Any], given: str | None = None
+    ) -> Reply:
+        """One step to every seated replica (``given``: the trainer's label for a finish)."""
         endpoint = ENDPOINTS[step]
-        seated = self._seated()
-        results = await self._fan(seated, "POST", "/" + endpoint, {r.index: body for r in seated})
-        outcomes = [o for o, _ in results]
-        for o in outcomes:
-            w = self.fleet.replicas[o.replica].weights
-            self.book.record(w, step, None if o.ok else o.describe())
-        extra: dict[str, Any] = {}
-        if step == "finish":
-            assert label is not None
-            serving = self.book.finish(self.fleet.weight_states(), label)
-            extra = {"weight_version": label if serving else None, "serving": serving}
+        async with self._exclusive():
+            seated = self._seated()
+            if step == "finish":
+                body["weight_version"] = label = self.book.next_label(given)
+            bodies = {r.index: body for r in seated}
+            outcomes = [o for o, _ in await self._fan(seated, "POST", "/" + endpoint, bodies)]
+            for o in outcomes:
+                w = self.fleet.replicas[o.replica].weights
+                self.book.record(w, step, None if o.ok else o.describe())
+            extra: dict[str, Any] = {}
+            if step == "finish":
+                serving = self.book.finish(self.fleet.weight_states(), label)
+                extra = {"weight_version": label if serving else None, "serving": serving}
         if not all(o.ok for o in outcomes):
             what = "not applied on every replica; those that failed take no traffic"
             if step == "finish":
@@ -281,13 +284,13 @@ class WeightSync:
 
     async def start(self, raw: bytes) -> Reply:
         body = parse_object(raw, optional=True)
-        return await self._exclusive(lambda: self._step("start", "Weight update started", body))
+        return await self._step("start", "Weight update started", body)
 
     async def update(self, raw: bytes) -> Reply:
         body = parse_object(raw)
         if not isinstance(body.get("update_info"), dict | list):
             raise InvalidRequest("'update_info' must be a JSON object or list", param="update_info")
-        return await self._exclusive(lambda: self._step("update", "Weights updated", body))
+        return await self._step("update", "Weights updated", body)
 
     async def finish(self, raw: bytes) -> Reply:
         body = parse_object(raw, optional=True)
@@ -295,10 +298,4 @@ class WeightSync:
             given = check_version(body.get("weight_version"))
         except ValueError as exc:
             raise InvalidRequest(str(exc), param="weight_version") from None
-
-        async def call() -> Reply:
-            label = self.book.next_label(given)
-            body["weight_version"] = label
-            return await self._step("finish", "Weight update finished", body, label)
-
-        return await self._exclusive(call)
+        return await self._step("finish", "Weight update finished", body, given)
