@@ -280,7 +280,7 @@ class Reconciler:
                 # Unreachable, silent, or broken mid-answer (it may or may not have applied).
                 self.eject(replica, exc.message)
                 result = "timeout" if isinstance(exc, UpstreamTimeout) else "unreachable"
-                return Outcome(replica.index, result, None, exc.message, 1, action.describe())
+                return Outcome(replica.index, result, None, exc.message)
             finally:
                 replica.generation += 1
                 self.changes.notify()
@@ -297,9 +297,7 @@ class Reconciler:
             if result in APPLIED:
                 self._believe(replica, action)
                 self.changes.notify()
-            return Outcome(
-                replica.index, result, response.status_code, detail, 1, action.describe()
-            )
+            return Outcome(replica.index, result, response.status_code, detail)
 
     def _believe(self, replica: Replica, action: Action) -> None:
         """A successful apply is trusted even where it cannot be observed (no /is_paused)."""
@@ -323,7 +321,7 @@ class Reconciler:
         while True:
             attempts += 1
             outcome = await self._once(replica, action)
-            outcome.attempts = attempts
+            outcome.attempts, outcome.action = attempts, action.describe()
             if action.kind == "load":
                 self.metrics.load_attempts.labels(label, outcome.result).inc()
             if outcome.result != "mount_lag" or deadline is None:

@@ -190,10 +190,11 @@ class Fleet:
         return model == "" or self.base_model is None or model == self.base_model
 
     def can_serve(self, replica: Replica, model: str) -> bool:
-        """May ``replica`` take a new request for ``model``? The table and its reasons:
-        docs/reliability-publish.md. A RECONCILING replica needs its pause state known and as
-        desired: otherwise a request could be held by a pause nobody lifts, or run while TRL has
-        the fleet paused. No replica without the fleet's merged weights takes anything."""
+        """May ``replica`` take a new request for ``model``? The table: docs/reliability-publish.md.
+        A RECONCILING replica serves an adapter it holds at the desired path, only with its pause
+        state known and as desired (else a request could be held by a pause nobody lifts, or run
+        while TRL has the fleet paused); the base model waits for READY: every replica has it, so
+        only the whole plan says whether it is fit. Without the fleet's merged weights: nothing."""
         status = replica.status
         if replica.weights.stale is not None:
             return False  # it does not hold the fleet's merged weights (proxy/core/weights.py)
