@@ -62,7 +62,7 @@ class Action:
 @dataclass
 class Outcome:
     replica: int
-    result: str  # one of APPLIED | UNREACHED | FAILED | REFUSED, or mount_lag (a retry)
+    result: str  # in APPLIED | UNREACHED | REFUSED, or failed / mount_lag(_timeout)
     http_status: int | None = None
     detail: str = ""
     attempts: int = 0
