@@ -71,7 +71,6 @@ class Replica:
     hash_algo: str | None = None  # --prefix-caching-hash-algo, same sources
     failures: int = 0  # consecutive failed probes/connects
     last_error: str | None = None
-    needs_reconcile: bool = False
     # Bumped before and after every call that changes the replica (control call or
     # reconciliation step): an observation that overlapped one is stale and discarded.
     generation: int = 0
@@ -284,7 +283,6 @@ class Fleet:
         ):
             was_serving = replica.status is Status.READY
             replica.status = Status.EJECTED
-            replica.needs_reconcile = True
             # It may restart before it is seen again: what it had applied is no longer known.
             replica.paused = None
             return was_serving
@@ -322,7 +320,6 @@ class Fleet:
         returning = replica.status in (Status.PENDING, Status.EJECTED)
         if returning or (replica.status is Status.READY and lost):
             replica.status = Status.RECONCILING
-            replica.needs_reconcile = True
 
     def record_cache(self, index: int, queries: float, hits: float) -> None:
         """A scrape's cumulative prefix-cache counters: the recent hit rate is the share of
@@ -353,7 +350,6 @@ class Fleet:
 
     def mark_reconciled(self, index: int) -> None:
         replica = self.replicas[index]
-        replica.needs_reconcile = False
         replica.not_reconciled = None
         if replica.status is Status.RECONCILING:
             replica.status = Status.READY

@@ -93,6 +93,12 @@ class ReplicaWeights:
     def ok(self) -> bool:
         return self.stale is None
 
+    @property
+    def header(self) -> str:
+        """What its completions carry as X-Proxy-Weight-Version: the label of the weights it
+        holds (printable ASCII), else the number of its syncs."""
+        return label(self.version, self.seq)
+
     def as_dict(self) -> dict[str, object]:
         seat = self.seat
         return {
@@ -102,6 +108,12 @@ class ReplicaWeights:
             "version": self.version,
             "stale": self.stale,
         }
+
+
+def label(version: str | None, seq: int) -> str:
+    """A weight version as headers and /health show it: the trainer's label, else the number of
+    completed syncs."""
+    return version if version is not None else str(seq)
 
 
 NOT_IN_GROUP = (
@@ -126,7 +138,7 @@ class WeightBook:
     @property
     def header(self) -> str:
         """What completions carry as X-Proxy-Weight-Version."""
-        return self.version if self.version is not None else str(self.seq)
+        return label(self.version, self.seq)
 
     def next_label(self, given: str | None) -> str:
         """The version label a finish applies: the trainer's, else the sync's number."""
