@@ -168,12 +168,10 @@ class WeightSync:
     @asynccontextmanager
     async def _exclusive(self) -> AsyncIterator[None]:
         """Serialised with the control calls, and counted among them (``control.in_flight``)."""
-        async with self.control.lock:
-            self.control.in_flight += 1
+        async with self.control.serialised():
             try:
                 yield
             finally:
-                self.control.in_flight -= 1
                 self.refresh_gauges()
 
     # -- /get_world_size ------------------------------------------------------------------------
