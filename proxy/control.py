@@ -77,7 +77,7 @@ class ControlPlane:
         self.in_flight = 0  # control calls under way: the health loop leaves READY replicas alone
 
     @asynccontextmanager
-    async def _serialised(self) -> AsyncIterator[None]:
+    async def serialised(self) -> AsyncIterator[None]:
         async with self.lock:
             self.in_flight += 1
             try:
@@ -141,7 +141,7 @@ class ControlPlane:
         assert path is not None
         if self.path_check is not None:
             self.path_check(path)
-        async with self._serialised():
+        async with self.serialised():
             started = self.reconciler.clock()
             previous = self.fleet.desired_adapters.get(name)
             if previous is not None and previous != path and not body.get("load_inplace"):
@@ -186,7 +186,7 @@ class ControlPlane:
 
     async def unload_adapter(self, raw: bytes) -> Reply:
         _, name, _ = parse_adapter_body(raw, need_path=False)
-        async with self._serialised():
+        async with self.serialised():
             self.fleet.desired_adapters.pop(name, None)
             self.router.purge_model(name)
             outcomes, v = await self._broadcast("unload_lora_adapter", Action("unload", name=name))
@@ -211,7 +211,7 @@ class ControlPlane:
             return Reply(200, f"Success: LoRA adapter '{name}' removed successfully.", "text/plain")
 
     async def pause(self, query: str) -> Reply:
-        async with self._serialised():
+        async with self.serialised():
             was_paused, was_query = self.fleet.desired_paused, self.fleet.pause_query
             self.fleet.desired_paused, self.fleet.pause_query = True, query
             outcomes, v = await self._broadcast("pause", Action("pause", query=query))
@@ -227,7 +227,7 @@ class ControlPlane:
             return Reply(200, {"status": "paused"})
 
     async def resume(self) -> Reply:
-        async with self._serialised():
+        async with self.serialised():
             self.fleet.desired_paused = False
             outcomes, v = await self._broadcast("resume", Action("resume"))
             if not v.success:
@@ -237,7 +237,7 @@ class ControlPlane:
             return Reply(200, {"status": "resumed"})
 
     async def reset_prefix_cache(self, query: str) -> Reply:
-        async with self._serialised():
+        async with self.serialised():
             outcomes, v = await self._broadcast("reset_prefix_cache", Action("reset", query=query))
             self.router.purge_all()
             if not v.success:

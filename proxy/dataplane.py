@@ -98,11 +98,8 @@ _TOKEN_IDS = b'"token_ids"'
 def _weights(fleet: Fleet, replica: Replica) -> bytes | None:
     """X-Proxy-Weight-Version's value: the merged weights ``replica`` holds as its answer
     arrives (a request frozen by a pause finishes on the weights of the sync that followed);
-    None when no weight-transfer group exists. Labels are printable ASCII (core/weights.py)."""
-    if not fleet.weights.active:
-        return None
-    w = replica.weights
-    return (w.version if w.version is not None else str(w.seq)).encode("ascii")
+    None when no weight-transfer group exists."""
+    return replica.weights.header.encode("ascii") if fleet.weights.active else None
 
 
 def completion_token_ids(content: bytes) -> list[int] | None:
@@ -319,7 +316,6 @@ class DataPlane:
             replica.adapters.pop(model, None)
             if replica.status is Status.READY:
                 replica.status = Status.RECONCILING
-            replica.needs_reconcile = True
             log.warning(
                 "replica %d lost adapter %s; reconciling it, retrying elsewhere",
                 replica.index,

@@ -90,7 +90,6 @@ class Membership:
         if replica.status is Status.DRAINING:
             # Back through reconciliation: broadcasts may have failed on it meanwhile.
             replica.status = Status.RECONCILING
-            replica.needs_reconcile = True
         return describe(replica)
 
     async def remove(self, index: int, timeout_s: float) -> dict[str, Any]:

@@ -12,9 +12,11 @@ before and after and discards itself when it overlapped an apply, instead of und
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
-from collections.abc import Awaitable, Callable
+from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +28,7 @@ from proxy.errors import UpstreamTimeout, UpstreamUnavailable
 from proxy.metrics import Metrics
 from proxy.security.redaction import scrub
 from proxy.settings import Settings
-from proxy.upstream import ReplicaUnreachable, Upstream
+from proxy.upstream import Upstream
 
 log = logging.getLogger("rollout_proxy.reconciler")
 
@@ -35,11 +37,11 @@ log = logging.getLogger("rollout_proxy.reconciler")
 MAX_DETAIL_CHARS = 300
 
 # Per-replica outcomes, by what they mean for a broadcast. UNREACHED: ejected, reconciled later.
-# FAILED (5xx, a mount that never caught up): ejected when others applied the call, else the
-# call's verdict. REFUSED (4xx, a verdict on the request itself): the call is refused.
+# REFUSED (4xx, a verdict on the request itself): the call is refused. Any other ("failed": 5xx;
+# "mount_lag_timeout": a mount that never caught up) is ejected when others applied the call,
+# else it is the call's verdict.
 APPLIED = frozenset({"ok", "already_loaded", "absent"})
 UNREACHED = frozenset({"unreachable", "timeout"})
-FAILED = frozenset({"failed", "mount_lag_timeout"})
 REFUSED = frozenset({"refused"})
 
 
@@ -57,20 +59,10 @@ class Action:
         return f"{self.kind} {self.name}".strip()
 
 
-def describe_outcome(replica: int, result: str, http_status: int | None, detail: str) -> str:
-    """One replica's outcome in a sentence, as every broadcast's error message names them."""
-    text = f"replica {replica}: {result}"
-    if http_status is not None:
-        text += f" (HTTP {http_status})"
-    if detail:
-        text += f": {detail}"
-    return text
-
-
 @dataclass
 class Outcome:
     replica: int
-    result: str  # one of APPLIED | UNREACHED | FAILED | REFUSED, or mount_lag (a retry)
+    result: str  # in APPLIED | UNREACHED | REFUSED, or failed / mount_lag(_timeout)
     http_status: int | None = None
     detail: str = ""
     attempts: int = 0
@@ -86,7 +78,13 @@ class Outcome:
         }
 
     def describe(self) -> str:
-        return describe_outcome(self.replica, self.result, self.http_status, self.detail)
+        """The outcome in a sentence, as every broadcast's error message names it."""
+        text = f"replica {self.replica}: {self.result}"
+        if self.http_status is not None:
+            text += f" (HTTP {self.http_status})"
+        if self.detail:
+            text += f": {self.detail}"
+        return text
 
 
 @dataclass
@@ -95,8 +93,7 @@ class Verdict:
 
     applied: list[Outcome] = field(default_factory=list)
     refused: list[Outcome] = field(default_factory=list)
-    failed: list[Outcome] = field(default_factory=list)
-    unreached: list[Outcome] = field(default_factory=list)
+    failed: list[Outcome] = field(default_factory=list)  # the unreached: in none (ejected)
 
     @property
     def success(self) -> bool:
@@ -112,9 +109,7 @@ def verdict(outcomes: list[Outcome]) -> Verdict:
             v.applied.append(o)
         elif o.result in REFUSED:
             v.refused.append(o)
-        elif o.result in UNREACHED:
-            v.unreached.append(o)
-        else:
+        elif o.result not in UNREACHED:
             v.failed.append(o)
     return v
 
@@ -130,10 +125,9 @@ def detail_of(response: httpx.Response) -> str:
         error = payload.get("error")
         if isinstance(error, dict):
             return str(error.get("message", ""))[:MAX_DETAIL_CHARS]
-        if "detail" in payload:
-            return str(payload["detail"])[:MAX_DETAIL_CHARS]
-        if "message" in payload:
-            return str(payload["message"])[:MAX_DETAIL_CHARS]
+        for key in ("detail", "message"):
+            if key in payload:
+                return str(payload[key])[:MAX_DETAIL_CHARS]
     return text[:MAX_DETAIL_CHARS]
 
 
@@ -173,15 +167,12 @@ class FleetChanges:
         if changed is not None:
             changed.set()
 
-    async def wait(self, timeout: float) -> bool:
-        """Until the next change or ``timeout`` seconds; True when something changed."""
+    async def wait(self, timeout: float) -> None:
+        """Until the next change or ``timeout`` seconds."""
         if self._changed is None:
             self._changed = asyncio.Event()
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._changed.wait(), timeout)
-        except TimeoutError:
-            return False
-        return True
 
 
 async def wait_for_replica(
@@ -190,13 +181,9 @@ async def wait_for_replica(
     """Return once a replica may serve ``model``, after ``wait_s`` seconds, or as soon as
     waiting cannot help (``Fleet.awaited`` turns false: the adapter was unloaded, or a replica
     may serve it); the caller then picks again. Woken by ``changes``, not by polling."""
-    if wait_s > 0 and fleet.awaited(model):
-        deadline = clock() + wait_s
-        while fleet.awaited(model):
-            left = deadline - clock()
-            if left <= 0:
-                break
-            await changes.wait(left)
+    deadline = clock() + wait_s
+    while (left := deadline - clock()) > 0 and fleet.awaited(model):
+        await changes.wait(left)
 
 
 class Reconciler:
@@ -207,27 +194,18 @@ class Reconciler:
         router: Router,
         upstream: Upstream,
         metrics: Metrics,
-        *,
-        clock: Callable[[], float] | None = None,
-        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
         self.settings = settings
         self.fleet = fleet
         self.router = router
         self.upstream = upstream
         self.metrics = metrics
-        # The event loop's clock by default (monotonic; virtual under the fault simulation).
-        self.clock = clock or (lambda: asyncio.get_running_loop().time())
-        self.sleep = sleep
-        self._locks: dict[int, asyncio.Lock] = {}
+        # The event loop's clock: monotonic, and virtual under the fault simulation.
+        self.clock: Callable[[], float] = lambda: asyncio.get_running_loop().time()
+        # One per replica: an apply holds it for its one HTTP call (module docstring).
+        self._locks: defaultdict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._secrets = tuple(settings.secrets())
         self.changes = FleetChanges()
-
-    def lock(self, replica: Replica) -> asyncio.Lock:
-        lock = self._locks.get(replica.index)
-        if lock is None:
-            lock = self._locks[replica.index] = asyncio.Lock()
-        return lock
 
     # -- failure bookkeeping ----------------------------------------------------------------
 
@@ -282,7 +260,7 @@ class Reconciler:
     async def _once(self, replica: Replica, action: Action) -> Outcome:
         """One attempt, under the replica's lock; updates what the proxy believes it holds."""
         path, params, body = self._request(action)
-        async with self.lock(replica):
+        async with self._locks[replica.index]:
             replica.generation += 1
             if action.kind == "unload":
                 # Shrinking what it may serve applies before the call: no completion may be
@@ -298,15 +276,11 @@ class Reconciler:
                     json=body,
                     timeout=self._timeout(replica, action),
                 )
-            except ReplicaUnreachable as exc:
+            except (UpstreamTimeout, UpstreamUnavailable) as exc:
+                # Unreachable, silent, or broken mid-answer (it may or may not have applied).
                 self.eject(replica, exc.message)
-                return Outcome(replica.index, "unreachable", None, exc.message, 1, action.kind)
-            except UpstreamTimeout as exc:
-                self.eject(replica, exc.message)
-                return Outcome(replica.index, "timeout", None, exc.message, 1, action.kind)
-            except UpstreamUnavailable as exc:  # broken mid-answer: it may or may not have applied
-                self.eject(replica, exc.message)
-                return Outcome(replica.index, "unreachable", None, exc.message, 1, action.kind)
+                result = "timeout" if isinstance(exc, UpstreamTimeout) else "unreachable"
+                return Outcome(replica.index, result, None, exc.message)
             finally:
                 replica.generation += 1
                 self.changes.notify()
@@ -323,7 +297,7 @@ class Reconciler:
             if result in APPLIED:
                 self._believe(replica, action)
                 self.changes.notify()
-            return Outcome(replica.index, result, response.status_code, detail, 1, action.kind)
+            return Outcome(replica.index, result, response.status_code, detail)
 
     def _believe(self, replica: Replica, action: Action) -> None:
         """A successful apply is trusted even where it cannot be observed (no /is_paused)."""
@@ -347,18 +321,16 @@ class Reconciler:
         while True:
             attempts += 1
             outcome = await self._once(replica, action)
-            outcome.attempts = attempts
+            outcome.attempts, outcome.action = attempts, action.describe()
             if action.kind == "load":
                 self.metrics.load_attempts.labels(label, outcome.result).inc()
-            if outcome.result != "mount_lag":
-                return outcome
-            if deadline is None:
+            if outcome.result != "mount_lag" or deadline is None:
                 return outcome
             if self.clock() + self.settings.lora_retry_s > deadline:
                 outcome.result = "mount_lag_timeout"
                 return outcome
             self.metrics.mount_lag_retries.labels(label).inc()
-            await self.sleep(self.settings.lora_retry_s)
+            await asyncio.sleep(self.settings.lora_retry_s)
 
     # -- convergence (the health loop's driver) -----------------------------------------------
 
@@ -375,10 +347,7 @@ class Reconciler:
             steps.append(Action("pause", query=plan.pause_query))
         elif plan.pause is False:
             steps.append(Action("resume"))
-        for step in steps:
-            if step not in tried:
-                return step
-        return None
+        return next((step for step in steps if step not in tried), None)
 
     async def converge(self, replica: Replica) -> list[Outcome]:
         """Bring one replica to the desired state: re-plan before every step (a control call
@@ -394,7 +363,6 @@ class Reconciler:
                 break
             tried.add(step)
             outcome = await self.apply(replica, step)
-            outcome.action = step.describe()
             outcomes.append(outcome)
             if outcome.result in UNREACHED:
                 break  # ejected; the next probe round decides when to try again

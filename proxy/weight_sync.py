@@ -1,20 +1,18 @@
-"""TRL's merged-weight sync (vLLM weight transfer) through the proxy to every replica
-(docs/merged-weights.md).
+"""TRL's merged-weight sync (vLLM weight transfer) through the proxy to every replica; the
+calls, answers and faults: docs/merged-weights.md.
 
-The replicas form one process group with the trainer (rank 0): ``/get_world_size`` answers the
-sum of the replicas' world sizes, ``/init_weight_transfer_engine`` gives each replica its own
-``rank_offset`` (proxy/core/weights.py ``seats``), and start/update/finish go to every seated
-replica at once; the tensors travel from the trainer to each replica directly. 200 only when
-every seated replica applied the call; otherwise an OpenAI-shaped error (504 when a replica timed
-out, else 502; 409 for an update with no group formed here) naming each replica's outcome, and
-the replicas that failed take no traffic until a sync completes on them whole. Each replica call
-is bounded by PROXY_CONTROL_TIMEOUT_S; calls are serialised with the other control calls.
+The replicas form one process group with the trainer (rank 0), each at its own ``rank_offset``
+(proxy/core/weights.py ``seats``). 200 only when every seated replica applied the call, else an
+OpenAI-shaped error naming each replica's outcome. Each replica call is bounded by
+PROXY_CONTROL_TIMEOUT_S; calls are serialised with the other control calls.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,13 +20,7 @@ import httpx
 
 from proxy.control import ControlPlane, Reply, parse_object
 from proxy.core.fleet import Fleet, Replica, Status
-from proxy.core.weights import (
-    ENDPOINTS,
-    WeightBook,
-    check_version,
-    parse_world_size,
-    seats,
-)
+from proxy.core.weights import ENDPOINTS, WeightBook, check_version, parse_world_size, seats
 from proxy.errors import (
     BroadcastFailed,
     Conflict,
@@ -38,22 +30,18 @@ from proxy.errors import (
     UpstreamUnavailable,
 )
 from proxy.metrics import Metrics
-from proxy.reconciler import describe_outcome
+from proxy.reconciler import Outcome as CallOutcome
 from proxy.settings import Settings
 from proxy.upstream import Upstream
 
 log = logging.getLogger("rollout_proxy.weights")
 
-NO_SIZES = "no replica reported its world size"
-
 
 @dataclass
-class Outcome:
-    replica: int
-    result: str  # ok | failed | timeout | unreachable | refused | invalid | removed
-    http_status: int | None = None
-    detail: str = ""
-    extra: dict[str, Any] | None = None
+class Outcome(CallOutcome):
+    """``result``: ok | failed | timeout | unreachable | refused | invalid | removed."""
+
+    extra: dict[str, Any] | None = None  # listed beside the result (world size, seat)
     value: Any = None  # the parsed answer where the caller needs it (world size)
 
     @property
@@ -71,9 +59,6 @@ class Outcome:
         if self.extra:
             out.update(self.extra)
         return out
-
-    def describe(self) -> str:
-        return describe_outcome(self.replica, self.result, self.http_status, self.detail)
 
 
 def _int_field(info: dict[str, Any], name: str, low: int) -> int:
@@ -95,11 +80,14 @@ class WeightSync:
     def book(self) -> WeightBook:
         return self.fleet.weights
 
-    # -- one call to one replica ---------------------------------------------------------------
+    # -- one call to each replica --------------------------------------------------------------
 
     async def _call(
-        self, replica: Replica, method: str, path: str, body: Any = None, params: str | None = None
+        self, replica: Replica, method: str, path: str, body: Any, params: str | None
     ) -> tuple[Outcome, httpx.Response | None]:
+        if replica.status is Status.REMOVED:
+            detail = "removed from the fleet; its ranks cannot take part in the group"
+            return Outcome(replica.index, "removed", None, detail), None
         limit = self.settings.control_timeout_s
         timeout = httpx.Timeout(limit, connect=min(self.settings.connect_timeout_s, limit))
         try:
@@ -125,14 +113,12 @@ class WeightSync:
         status = response.status_code
         if status == 200:
             return Outcome(replica.index, "ok", 200), response
-        text = response.text[:300]
+        detail = response.text[:300]
         if status == 404:
             detail = (
                 f"{path} not found: the replica needs VLLM_SERVER_DEV_MODE=1 and "
                 '--weight-transfer-config \'{"backend": "nccl"}\''
             )
-        else:
-            detail = text
         return Outcome(replica.index, "refused" if status < 500 else "failed", status, detail), None
 
     async def _fan(
@@ -143,18 +129,13 @@ class WeightSync:
         bodies: dict[int, Any] | None = None,
         params: str | None = None,
     ) -> list[tuple[Outcome, httpx.Response | None]]:
-        endpoint = path.lstrip("/")
-
-        async def one(r: Replica) -> tuple[Outcome, httpx.Response | None]:
-            if r.status is Status.REMOVED:
-                detail = "removed from the fleet; its ranks cannot take part in the group"
-                return Outcome(r.index, "removed", None, detail), None
-            body = bodies.get(r.index) if bodies else None
-            return await self._call(r, method, path, body, params)
-
-        results = list(await asyncio.gather(*(one(r) for r in replicas)))
+        calls = (
+            self._call(r, method, path, bodies.get(r.index) if bodies else None, params)
+            for r in replicas
+        )
+        results = await asyncio.gather(*calls)
         for o, _ in results:
-            self.metrics.broadcasts.labels(endpoint, str(o.replica), o.result).inc()
+            self.metrics.broadcasts.labels(path.lstrip("/"), str(o.replica), o.result).inc()
         return results
 
     # -- answers --------------------------------------------------------------------------------
@@ -184,23 +165,24 @@ class WeightSync:
             self.metrics.weight_seq.labels(label).set(r.weights.seq)
             self.metrics.weights_stale.labels(label).set(0 if r.weights.ok else 1)
 
-    async def _exclusive(self, call: Any) -> Reply:
-        async with self.control.lock:
-            self.control.in_flight += 1
+    @asynccontextmanager
+    async def _exclusive(self) -> AsyncIterator[None]:
+        """Serialised with the control calls, and counted among them (``control.in_flight``)."""
+        async with self.control.serialised():
             try:
-                result: Reply = await call()
-                return result
+                yield
             finally:
-                self.control.in_flight -= 1
                 self.refresh_gauges()
 
     # -- /get_world_size ------------------------------------------------------------------------
 
-    async def _world_sizes(self, query: str) -> list[Outcome]:
-        # A query (vLLM's include_dp) is passed on as is; TRL sends none.
+    async def _world_sizes(
+        self, endpoint: str, query: str
+    ) -> tuple[list[Outcome], list[tuple[int, int]]]:
+        """Every member's world size, kept in ``book.sizes`` for the group's seats; refused when
+        none answered one. A query (vLLM's include_dp) is passed on as is; TRL sends none."""
         members = self.fleet.members()
         results = await self._fan(members, "GET", "/get_world_size", None, query or None)
-        outcomes: list[Outcome] = []
         for o, response in results:
             if response is not None:
                 try:
@@ -208,21 +190,18 @@ class WeightSync:
                     o.extra = {"world_size": o.value}
                 except ValueError as exc:
                     o.result, o.detail = "invalid", f"/get_world_size answer: {exc}"
-            outcomes.append(o)
-        return outcomes
+        outcomes = [o for o, _ in results]
+        sizes = [(o.replica, o.value) for o in outcomes if o.ok]
+        if not sizes:
+            raise self._refusal(endpoint, "no replica reported its world size", outcomes)
+        self.book.sizes = sizes
+        return outcomes, sizes
 
     async def get_world_size(self, query: str) -> Reply:
-        async def call() -> Reply:
-            outcomes = await self._world_sizes(query)
-            ok = [o for o in outcomes if o.ok]
-            if not ok:
-                raise self._refusal("get_world_size", NO_SIZES, outcomes)
-            self.book.sizes = [(o.replica, o.value) for o in ok]
-            total = sum(o.value for o in ok)
-            body = {"world_size": total, "replicas": [o.as_dict() for o in outcomes]}
-            return Reply(200, body)
-
-        return await self._exclusive(call)
+        async with self._exclusive():
+            outcomes, sizes = await self._world_sizes("get_world_size", query)
+        total = sum(size for _, size in sizes)
+        return Reply(200, {"world_size": total, "replicas": [o.as_dict() for o in outcomes]})
 
     # -- /init_weight_transfer_engine ------------------------------------------------------------
 
@@ -233,37 +212,29 @@ class WeightSync:
             raise InvalidRequest("'init_info' must be a JSON object", param="init_info")
         base = _int_field(info, "rank_offset", 0)
         world_size = _int_field(info, "world_size", 1)
-
-        async def call() -> Reply:
-            if self.book.sizes is None:
-                outcomes = await self._world_sizes("")
-                if not any(o.ok for o in outcomes):
-                    raise self._refusal("init_weight_transfer_engine", NO_SIZES, outcomes)
-                self.book.sizes = [(o.replica, o.value) for o in outcomes if o.ok]
-            group, total = seats(self.book.sizes, base)
+        endpoint = "init_weight_transfer_engine"
+        async with self._exclusive():
+            sizes = self.book.sizes or (await self._world_sizes(endpoint, ""))[1]
+            group, total = seats(sizes, base)
             if world_size != total:
                 raise InvalidRequest(
                     f"init_weight_transfer_engine: world_size {world_size} does not match the "
                     f"fleet's group: rank_offset {base} + replicas' world sizes "
-                    f"{[s for _, s in self.book.sizes]} = {total} (ask /get_world_size again)",
+                    f"{[s for _, s in sizes]} = {total} (ask /get_world_size again)",
                     param="world_size",
                 )
-            by_index = {s.replica: s for s in group}
             replicas = [self.fleet.replicas[s.replica] for s in group]
             bodies = {
                 s.replica: {**body, "init_info": {**info, "rank_offset": s.rank_offset}}
                 for s in group
             }
-            results = await self._fan(replicas, "POST", "/init_weight_transfer_engine", bodies)
+            results = await self._fan(replicas, "POST", "/" + endpoint, bodies)
             outcomes = [o for o, _ in results]
-            for o in outcomes:
-                seat = by_index[o.replica]
+            for o, seat in zip(outcomes, group, strict=True):
                 o.extra = {"rank_offset": seat.rank_offset, "world_size": seat.world_size}
             if not all(o.ok for o in outcomes):
                 raise self._refusal(
-                    "init_weight_transfer_engine",
-                    "the group was not formed (no routing change)",
-                    outcomes,
+                    endpoint, "the group was not formed (no routing change)", outcomes
                 )
             master = info.get("master_address")
             port = info.get("master_port")
@@ -280,52 +251,44 @@ class WeightSync:
                 },
             )
 
-        return await self._exclusive(call)
-
     # -- start / update / finish -----------------------------------------------------------------
 
-    async def _step(self, step: str, body: Any, label: str | None = None) -> Reply:
+    async def _step(
+        self, step: str, message: str, body: dict[str, Any], given: str | None = None
+    ) -> Reply:
+        """One step to every seated replica (``given``: the trainer's label for a finish)."""
         endpoint = ENDPOINTS[step]
-        seated = self._seated()
-        if step == "start":
-            self.book.begin(r.weights for r in self.fleet.replicas)
-        results = await self._fan(seated, "POST", "/" + endpoint, {r.index: body for r in seated})
-        outcomes = [o for o, _ in results]
-        for o in outcomes:
-            w = self.fleet.replicas[o.replica].weights
-            if o.ok:
-                self.book.applied(w, step)
-            else:
-                self.book.failed(w, step, o.describe())
-        extra: dict[str, Any] = {}
-        if step == "finish":
-            assert label is not None
-            serving = self.book.finish(self.fleet.weight_states(), label)
-            extra = {"weight_version": label if serving else None, "serving": serving}
+        async with self._exclusive():
+            seated = self._seated()
+            if step == "finish":
+                body["weight_version"] = label = self.book.next_label(given)
+            bodies = {r.index: body for r in seated}
+            outcomes = [o for o, _ in await self._fan(seated, "POST", "/" + endpoint, bodies)]
+            for o in outcomes:
+                w = self.fleet.replicas[o.replica].weights
+                self.book.record(w, step, None if o.ok else o.describe())
+            extra: dict[str, Any] = {}
+            if step == "finish":
+                serving = self.book.finish(self.fleet.weight_states(), label)
+                extra = {"weight_version": label if serving else None, "serving": serving}
         if not all(o.ok for o in outcomes):
             what = "not applied on every replica; those that failed take no traffic"
             if step == "finish":
                 what += f" (replicas {extra['serving']} serve weight version {label})"
             raise self._refusal(endpoint, what, outcomes)
-        messages = {
-            "start": "Weight update started",
-            "update": "Weights updated",
-            "finish": "Weight update finished",
-        }
         return Reply(
-            200,
-            {"message": messages[step], **extra, "replicas": [o.as_dict() for o in outcomes]},
+            200, {"message": message, **extra, "replicas": [o.as_dict() for o in outcomes]}
         )
 
     async def start(self, raw: bytes) -> Reply:
         body = parse_object(raw, optional=True)
-        return await self._exclusive(lambda: self._step("start", body))
+        return await self._step("start", "Weight update started", body)
 
     async def update(self, raw: bytes) -> Reply:
         body = parse_object(raw)
         if not isinstance(body.get("update_info"), dict | list):
             raise InvalidRequest("'update_info' must be a JSON object or list", param="update_info")
-        return await self._exclusive(lambda: self._step("update", body))
+        return await self._step("update", "Weights updated", body)
 
     async def finish(self, raw: bytes) -> Reply:
         body = parse_object(raw, optional=True)
@@ -333,9 +296,4 @@ class WeightSync:
             given = check_version(body.get("weight_version"))
         except ValueError as exc:
             raise InvalidRequest(str(exc), param="weight_version") from None
-
-        async def call() -> Reply:
-            label = self.book.next_label(given)
-            return await self._step("finish", {**body, "weight_version": label}, label)
-
-        return await self._exclusive(call)
+        return await self._step("finish", "Weight update finished", body, given)

@@ -1,8 +1,7 @@
 """Fleet state: what each replica has and may do, and what the fleet should look like.
 
-Pure bookkeeping, no I/O. The async edge (health probes, control plane, data plane) reports what
-it observed; this module decides what follows (eligible for traffic? needs reconciling? what
-to load/unload?). Keeping the decisions here makes them table-testable.
+Pure bookkeeping, no I/O: the async edge reports what it observed; this module decides what
+follows (eligible for traffic? needs reconciling? what to load/unload?).
 
 Replica lifecycle::
 
@@ -12,28 +11,19 @@ Replica lifecycle::
        |                                      drain -> DRAINING (in-flight finish; no new work)
     (added)                                   remove -> REMOVED (slot kept: indexes are stable)
 
-A request for adapter X goes to a replica that has confirmed X (``Fleet.can_serve``): a READY
-one, or a RECONCILING one that answers its probes, holds X at the desired path and whose pause
-state is known and as desired. A replica still reloading other adapters after a restart thus
-serves what it already holds, while one that lost X (restarted empty) never gets a request for
-X: its observed adapter set no longer has it. A load answered 200 leaves X on every replica
-that applied it, so the rollouts that follow are served at once; a rollout for an adapter that
-is desired but held by no eligible replica yet waits (bounded) for one to get it
-(``Fleet.awaited``; the async edge waits, the core only says whether waiting can help).
-
-Desired state (``desired_adapters``, ``desired_paused``) is what TRL last asked for; a control
-call records it first and then applies it. Observed state is what the proxy believes each
-replica holds: known from an observation (``/v1/models``, ``/is_paused``) or from a successful
-apply, or unknown (``paused is None``: the endpoint is missing, timed out or answered nonsense,
-and nothing has been applied since the replica was last seen to restart). Unknown is never
-read as a value: the plan re-applies whatever it cannot confirm, once, and then trusts the
-successful apply, so reconciliation always terminates.
+Desired state (``desired_adapters``, ``desired_paused``) is what TRL last asked for; observed
+state is what each replica is believed to hold, known (observed, or a successful apply) or
+unknown (``paused is None``). Unknown is never read as a value: the plan re-applies what it
+cannot confirm, once, then trusts the successful apply, so reconciliation terminates. Which
+replica serves what: docs/reliability-publish.md; the control and fleet rules:
+docs/reliability.md.
 """
 
 from __future__ import annotations
 
 import enum
 import re
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -81,7 +71,6 @@ class Replica:
     hash_algo: str | None = None  # --prefix-caching-hash-algo, same sources
     failures: int = 0  # consecutive failed probes/connects
     last_error: str | None = None
-    needs_reconcile: bool = False
     # Bumped before and after every call that changes the replica (control call or
     # reconciliation step): an observation that overlapped one is stale and discarded.
     generation: int = 0
@@ -96,13 +85,8 @@ class Replica:
     weights: ReplicaWeights = field(default_factory=ReplicaWeights)
 
     @property
-    def in_service(self) -> bool:
-        return self.status in SERVING
-
-    @property
     def weight_version(self) -> str | None:
-        """The label of the last merged-weight sync it completed (None: launch weights, or no
-        merged-weight sync); ``weights.stale`` says whether that is the fleet's."""
+        """Label of the last merged-weight sync it completed (None: launch weights)."""
         return self.weights.version
 
 
@@ -114,7 +98,6 @@ class ReconcilePlan:
     unload: list[str]
     pause: bool | None  # True: pause it, False: resume it, None: leave as is
     pause_query: str = ""
-
     pause_known: bool = True  # False: re-applied because the replica's pause state is unknown
 
     @property
@@ -133,16 +116,12 @@ class ReconcilePlan:
 
 def unaccounted_requests(running: float, waiting: float, in_flight: int) -> float:
     """Requests a replica runs or queues (its scraped ``vllm:num_requests_running`` +
-    ``vllm:num_requests_waiting``) beyond this proxy's own ``in_flight`` to it.
+    ``vllm:num_requests_waiting``) beyond this proxy's own ``in_flight`` to it: other clients'.
 
-    The proxy's in-flight count already includes its requests the replica has queued: adding
-    the scraped queue on top counted each of them twice, inflating the load of exactly the
-    replicas that are memory-bound (and, summed over the fleet, the cost policy's learned
-    concurrency). What the scrape adds is other clients' requests. Floored at 0: requests
-    the proxy sent that have not reached the replica's scheduler yet (or whose answers are
-    still streaming back) are in ``in_flight`` but not in the replica's counts. One request
-    with ``n`` > 1 is ``n`` requests to vLLM V1 (it fans the samples out), so such requests of
-    the proxy's own read as others'; TRL sends ``n: 1`` (one request per sample)."""
+    ``in_flight`` already counts the proxy's requests the replica queued, so adding the whole
+    scrape would count them twice. Floored at 0: what the proxy sent but the scheduler has not
+    seen yet (or still streams back) is in ``in_flight`` only. A request with ``n`` > 1 is ``n``
+    requests to vLLM V1, so it reads as others'; TRL sends ``n: 1``."""
     extra = running + waiting - in_flight
     return extra if extra > 0.0 else 0.0
 
@@ -163,11 +142,9 @@ class Fleet:
         self.desired_paused = False
         self.pause_query = ""  # query string of the last pause, re-applied on reconcile
         self.base_model: str | None = None
-        # The smallest max_model_len any member reported (what every replica can serve; None
-        # before any did): the data path's prompt limit reads it per request, so it is kept up to
-        # date by the only two changes that move it (``record_models`` and ``remove``), not
-        # computed per token prompt (~0.5 us a request). Set synchronously at each change, so a
-        # change still applies to the very next request.
+        # The smallest max_model_len any member reported (None before any did): the data path's
+        # prompt limit reads it per request, so the only two changes that move it
+        # (``record_models`` and ``remove``) update it at once instead.
         self.max_len_bound: int | None = None
         self.weights = WeightBook()
 
@@ -200,13 +177,11 @@ class Fleet:
     def members(self) -> list[Replica]:
         return [r for r in self.replicas if r.status is not Status.REMOVED]
 
-    def broadcast_targets(self) -> list[Replica]:
-        """Every member: a control call reaches each replica that can be reached, whatever the
-        proxy's bookkeeping says about it (only removed replicas are skipped)."""
-        return self.members()
+    # A control call reaches every member, whatever the proxy's bookkeeping says about it.
+    broadcast_targets = members
 
     def serving(self) -> list[Replica]:
-        return [r for r in self.replicas if r.in_service]
+        return [r for r in self.replicas if r.status in SERVING]
 
     # -- data plane -------------------------------------------------------------------------
 
@@ -214,17 +189,11 @@ class Fleet:
         return model == "" or self.base_model is None or model == self.base_model
 
     def can_serve(self, replica: Replica, model: str) -> bool:
-        """May ``replica`` take a new request for ``model``?
-
-        READY: for the base model, or an adapter it has confirmed. RECONCILING (brought back to
-        the desired state after a restart, a lost adapter or an undrain): for an adapter it has
-        confirmed at the desired path (one held at another path is about to be replaced), only
-        while it answers its probes (no failure since its last observation) and its pause state
-        is known and what TRL asked for (unknown or different: a request could be held by a
-        pause nobody lifts, or run while TRL has the fleet paused). The base model waits for
-        READY: every replica has it, so the whole plan decides whether it is fit. PENDING,
-        EJECTED, DRAINING and REMOVED replicas take nothing new, and neither does one that does
-        not hold the fleet's merged weights (when a weight-transfer group exists)."""
+        """May ``replica`` take a new request for ``model``? The table: docs/reliability-publish.md.
+        A RECONCILING replica serves an adapter it holds at the desired path, only with its pause
+        state known and as desired (else a request could be held by a pause nobody lifts, or run
+        while TRL has the fleet paused); the base model waits for READY: every replica has it, so
+        only the whole plan says whether it is fit. Without the fleet's merged weights: nothing."""
         status = replica.status
         if replica.weights.stale is not None:
             return False  # it does not hold the fleet's merged weights (proxy/core/weights.py)
@@ -287,10 +256,9 @@ class Fleet:
         plan = self.plan(replica)
         if status is Status.READY and plan.empty:
             return None
-        todo = plan.describe() if not plan.empty else "its reconciliation to finish"
         if replica.not_reconciled:
             return replica.not_reconciled
-        return todo
+        return plan.describe() if not plan.empty else "its reconciliation to finish"
 
     def known_anywhere(self, model: str) -> bool:
         return any(model in r.adapters for r in self.replicas) or model in self.desired_adapters
@@ -315,7 +283,6 @@ class Fleet:
         ):
             was_serving = replica.status is Status.READY
             replica.status = Status.EJECTED
-            replica.needs_reconcile = True
             # It may restart before it is seen again: what it had applied is no longer known.
             replica.paused = None
             return was_serving
@@ -350,12 +317,9 @@ class Fleet:
             replica.paused = None
         if self.base_model is None and base_model is not None:
             self.base_model = base_model
-        if replica.status is Status.READY and lost:
+        returning = replica.status in (Status.PENDING, Status.EJECTED)
+        if returning or (replica.status is Status.READY and lost):
             replica.status = Status.RECONCILING
-            replica.needs_reconcile = True
-        if replica.status in (Status.PENDING, Status.EJECTED):
-            replica.status = Status.RECONCILING
-            replica.needs_reconcile = True
 
     def record_cache(self, index: int, queries: float, hits: float) -> None:
         """A scrape's cumulative prefix-cache counters: the recent hit rate is the share of
@@ -386,7 +350,6 @@ class Fleet:
 
     def mark_reconciled(self, index: int) -> None:
         replica = self.replicas[index]
-        replica.needs_reconcile = False
         replica.not_reconciled = None
         if replica.status is Status.RECONCILING:
             replica.status = Status.READY
@@ -400,36 +363,18 @@ class Fleet:
         found on any replica becomes desired (TRL published it; a replica without it lost it),
         unless two replicas hold the same name at different paths: then the path on most
         replicas wins, and the conflict is returned for reporting."""
-        conflicts: list[str] = []
-        votes: dict[str, dict[str, int]] = {}
+        votes: dict[str, Counter[str]] = {}
         for adapters in observed.values():
             for name, path in adapters.items():
-                votes.setdefault(name, {}).setdefault(path, 0)
-                votes[name][path] += 1
+                votes.setdefault(name, Counter())[path] += 1
         for name, paths in votes.items():
-            if len(paths) > 1:
-                conflicts.append(name)
-            self.desired_adapters[name] = max(paths.items(), key=lambda kv: kv[1])[0]
-        # Paused only when every replica that gave a known answer is paused; unknown answers
-        # (no /is_paused, timed out, nonsense) say nothing, and no known answer means not paused.
-        # TRL's pause is broadcast all-or-nothing, so a fleet it paused answers paused
-        # everywhere; a mixed fleet is a resume that reached only some replicas (one was wedged,
-        # or restarted during a sync). Resuming then costs at most some rollouts served during
-        # a sync, while staying paused wrongly holds every rollout until the next sync, which
-        # may never come: the trainer needs rollouts to reach it.
+            self.desired_adapters[name] = paths.most_common(1)[0][0]
+        # Paused only when every replica that gave a known answer is paused (no known answer:
+        # not paused). A mixed fleet is a resume that reached only some replicas, and staying
+        # paused wrongly would hold every rollout: docs/reliability.md (Start-up) says why.
         known = [p for p in paused.values() if p is not None]
         self.desired_paused = bool(known) and all(known)
-        return conflicts
-
-    def published(self, name: str, path: str, loaded_on: Iterable[int]) -> None:
-        self.desired_adapters[name] = path
-        for i in loaded_on:
-            self.replicas[i].adapters[name] = path
-
-    def unpublished(self, name: str, unloaded_on: Iterable[int]) -> None:
-        self.desired_adapters.pop(name, None)
-        for i in unloaded_on:
-            self.replicas[i].adapters.pop(name, None)
+        return [name for name, paths in votes.items() if len(paths) > 1]
 
     def latest_version(self, replica: Replica) -> int:
         versions = [v for v in map(adapter_version, replica.adapters) if v is not None]

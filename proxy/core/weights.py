@@ -1,15 +1,11 @@
 """Merged-weight sync bookkeeping: the weight-transfer group the replicas form with the trainer,
-and which weights each replica holds (the rules and fault table: docs/merged-weights.md).
+and which weights each replica holds. Pure: no I/O; the async edge is proxy/weight_sync.py.
 
 vLLM ranks each worker ``rank_offset + dp_rank * world_size + rank`` in the trainer's group, so
 N replicas form ONE group when the proxy reports the sum of their world sizes and gives replica
-i the offset ``base + (sizes before it)`` (:func:`seats`). Each replica's weights are counted in
-syncs (``seq``, 0: launch weights); a replica serves only while it holds the fleet's weights
-(``stale is None``). A failed step, a failed probe or connection (it may have restarted without
-its seat, even before an ejection) or a finish without a complete update makes it stale until it
-completes a sync whole (every sync sends every parameter); a replica added after the group
-formed stays stale until a new group.
-Pure: no I/O; the async edge is proxy/weight_sync.py.
+i the offset ``base + (sizes before it)`` (:func:`seats`). A replica serves only while it holds
+the fleet's weights (``stale is None``); what makes it stale and what brings it back: the fault
+table of docs/merged-weights.md.
 """
 
 from __future__ import annotations
@@ -23,7 +19,7 @@ MAX_WORLD_SIZE = 1 << 16
 # A weight version is echoed in a response header on every completion: short printable ASCII.
 MAX_VERSION_LEN = 128
 
-STEPS = ("start", "update", "finish")
+# A sync's steps, in order, and the replica endpoint of each.
 ENDPOINTS = {
     "start": "start_weight_update",
     "update": "update_weights",
@@ -97,6 +93,12 @@ class ReplicaWeights:
     def ok(self) -> bool:
         return self.stale is None
 
+    @property
+    def header(self) -> str:
+        """What its completions carry as X-Proxy-Weight-Version: the label of the weights it
+        holds (printable ASCII), else the number of its syncs."""
+        return label(self.version, self.seq)
+
     def as_dict(self) -> dict[str, object]:
         seat = self.seat
         return {
@@ -106,6 +108,12 @@ class ReplicaWeights:
             "version": self.version,
             "stale": self.stale,
         }
+
+
+def label(version: str | None, seq: int) -> str:
+    """A weight version as headers and /health show it: the trainer's label, else the number of
+    completed syncs."""
+    return version if version is not None else str(seq)
 
 
 NOT_IN_GROUP = (
@@ -130,7 +138,7 @@ class WeightBook:
     @property
     def header(self) -> str:
         """What completions carry as X-Proxy-Weight-Version."""
-        return self.version if self.version is not None else str(self.seq)
+        return label(self.version, self.seq)
 
     def next_label(self, given: str | None) -> str:
         """The version label a finish applies: the trainer's, else the sync's number."""
@@ -160,23 +168,22 @@ class WeightBook:
             w.steps = set()
             w.stale = None if w.seat is not None else NOT_IN_GROUP
 
-    def begin(self, members: Iterable[ReplicaWeights]) -> None:
-        """A sync starts: forget the steps of the previous one."""
-        for w in members:
+    def record(self, w: ReplicaWeights, step: str, failure: str | None = None) -> None:
+        """A seated replica's outcome of ``step`` (``failure``: why it did not apply it). A
+        start begins a new sync: the steps applied in an earlier one no longer count."""
+        if step == "start":
             w.steps = set()
-
-    def applied(self, w: ReplicaWeights, step: str) -> None:
-        w.steps.add(step)
-
-    def failed(self, w: ReplicaWeights, step: str, reason: str) -> None:
-        w.steps.discard(step)
-        w.stale = f"{ENDPOINTS[step]} failed: {reason}"
+        if failure is None:
+            w.steps.add(step)
+        else:
+            w.steps.discard(step)
+            w.stale = f"{ENDPOINTS[step]} failed: {failure}"
 
     def finish(self, members: Mapping[int, ReplicaWeights], label: str) -> list[int]:
         """Apply a finish: replicas that applied start, update and finish of this sync hold
         the new weights (returned); the fleet moves to them when there is at least one. Every
         other replica is stale from then on (its reason kept if it already had one)."""
-        whole = [i for i, w in members.items() if w.seat is not None and set(STEPS) <= w.steps]
+        whole = [i for i, w in members.items() if w.seat is not None and set(ENDPOINTS) <= w.steps]
         if not whole:
             for w in members.values():
                 if w.seat is not None and "finish" in w.steps and w.stale is None:

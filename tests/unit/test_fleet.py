@@ -7,6 +7,13 @@ import pytest
 from proxy.core.fleet import Fleet, Status, adapter_version, unaccounted_requests
 
 
+def published(fleet: Fleet, name: str, path: str, loaded_on: list[int]) -> None:
+    """What a load answered 200 leaves behind: desired, and held where it applied."""
+    fleet.desired_adapters[name] = path
+    for i in loaded_on:
+        fleet.replicas[i].adapters[name] = path
+
+
 def ready_fleet(n: int = 2) -> Fleet:
     fleet = Fleet([f"http://r{i}" for i in range(n)])
     for r in fleet.replicas:
@@ -17,7 +24,7 @@ def ready_fleet(n: int = 2) -> Fleet:
 
 def test_only_replicas_with_the_adapter_are_eligible() -> None:
     fleet = ready_fleet(3)
-    fleet.published("trl-policy-v1", "/a/1", [0, 2])
+    published(fleet, "trl-policy-v1", "/a/1", [0, 2])
     assert [r.index for r in fleet.eligible("trl-policy-v1")] == [0, 2]
     assert [r.index for r in fleet.eligible("base")] == [0, 1, 2]
     assert [r.index for r in fleet.eligible("")] == [0, 1, 2]
@@ -60,7 +67,7 @@ def test_ejected_and_draining_take_no_traffic() -> None:
 
 def test_restarted_replica_is_reconciled_before_ready() -> None:
     fleet = ready_fleet(2)
-    fleet.published("trl-policy-v1", "/a/1", [0, 1])
+    published(fleet, "trl-policy-v1", "/a/1", [0, 1])
     fleet.desired_paused = True
     fleet.pause_query = "mode=keep"
     fleet.record_models(1, "base", 4096, {"stale": "/x"})  # came back empty but for junk
@@ -124,8 +131,8 @@ def test_membership_and_versions() -> None:
     # with a trailing newline is not TRL's.
     assert adapter_version("trl-policy-v" + "9" * 5000) is None
     assert adapter_version("trl-policy-v12\n") is None
-    fleet.published("trl-policy-v3", "/3", [0])
-    fleet.published("trl-policy-v12", "/12", [0])
+    published(fleet, "trl-policy-v3", "/3", [0])
+    published(fleet, "trl-policy-v12", "/12", [0])
     assert fleet.latest_version(fleet.replicas[0]) == 12
 
 
@@ -147,7 +154,7 @@ def test_unknown_pause_state_is_applied_once_then_trusted() -> None:
 
 def test_lost_adapter_makes_pause_unknown_but_lagging_desired_state_keeps_serving() -> None:
     fleet = ready_fleet(2)
-    fleet.published("trl-policy-v1", "/a/1", [0, 1])
+    published(fleet, "trl-policy-v1", "/a/1", [0, 1])
     for r in fleet.replicas:
         r.paused = False
     fleet.desired_adapters["trl-policy-v2"] = "/a/2"  # a broadcast is under way
@@ -307,7 +314,7 @@ def test_eligible_is_can_serve_of_each_replica(seed: int) -> None:
 
     rng = random.Random(seed)
     fleet = ready_fleet(6)
-    fleet.published("a", "/a/1", [0, 1, 2, 3])
+    published(fleet, "a", "/a/1", [0, 1, 2, 3])
     fleet.desired_paused = rng.choice([True, False])
     for r in fleet.replicas:
         r.status = rng.choice(list(Status))

@@ -98,15 +98,11 @@ def _formed(n: int) -> tuple[WeightBook, dict[int, ReplicaWeights]]:
 
 def _sync(book: WeightBook, members: dict[int, ReplicaWeights], fail: dict[int, str]) -> list[int]:
     """One sync; ``fail`` maps a replica to the step that fails on it."""
-    book.begin(members.values())
     for step in ("start", "update", "finish"):
         for i, w in members.items():
             if w.seat is None:
                 continue
-            if fail.get(i) == step:
-                book.failed(w, step, "boom")
-            else:
-                book.applied(w, step)
+            book.record(w, step, "boom" if fail.get(i) == step else None)
     return book.finish(members, book.next_label(None))
 
 
@@ -151,14 +147,13 @@ def test_a_replica_that_missed_a_sync_is_stale_even_without_a_failure() -> None:
 
 def test_a_replica_lost_during_a_sync_does_not_count_as_completing_it() -> None:
     book, members = _formed(3)
-    book.begin(members.values())
     for step in ("start", "update", "finish"):
         for i in (1, 2):
-            book.applied(members[i], step)
+            book.record(members[i], step)
     # The finish still waits on replica 0 when 1 is ejected (it may have restarted with its
     # launch weights): the finish that follows leaves it stale.
     book.lost(members[1], "ejected (connection refused)")
-    book.failed(members[0], "finish", "timeout")
+    book.record(members[0], "finish", "timeout")
     assert book.finish(members, book.next_label(None)) == [2]
     assert not members[1].ok and "may have restarted" in (members[1].stale or "")
     assert members[2].ok and book.seq == 1
@@ -166,9 +161,8 @@ def test_a_replica_lost_during_a_sync_does_not_count_as_completing_it() -> None:
 
 def test_trainer_given_label_is_kept() -> None:
     book, members = _formed(1)
-    book.begin(members.values())
     for step in ("start", "update", "finish"):
-        book.applied(members[0], step)
+        book.record(members[0], step)
     assert book.finish(members, book.next_label("policy-7")) == [0]
     assert book.header == "policy-7" and members[0].version == "policy-7"
 
@@ -217,3 +211,15 @@ def test_one_failed_probe_in_a_group_distrusts_the_weights_before_any_ejection()
     assert fleet.replicas[1].status is Status.READY
     assert "may have restarted" in (fleet.replicas[1].weights.stale or "")
     assert [r.index for r in fleet.eligible("")] == [0]
+
+
+def test_a_start_forgets_the_steps_of_an_abandoned_sync() -> None:
+    # TRL stops a sync at its first failed step: what an abandoned sync applied must not count
+    # toward the next sync's finish.
+    book, members = _formed(1)
+    for step in ("start", "update"):
+        book.record(members[0], step)
+    book.record(members[0], "start")
+    book.record(members[0], "finish")
+    assert book.finish(members, book.next_label(None)) == []
+    assert "without a complete update" in (members[0].stale or "")
