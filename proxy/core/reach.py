@@ -2,7 +2,7 @@
 how deep its shared preamble goes (router.py's docstring explains the rule).
 
 Both sources of "who holds block d" feed this one walk: the proxy's own index
-(``Router.matches``) and the replicas' KV events mixed with the index (``PreciseMatcher.matches``,
+(``Router.matches``) and the replicas' KV events mixed with the index (``PreciseMatcher.reach``,
 kv_view.py). They differ only in how they build ``held``, so they cannot drift apart.
 
 Cost: this runs for every routed request over every prompt block (32 for a 512-token prompt), so
