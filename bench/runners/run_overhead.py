@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.analysis.paired import round_ratios
 from bench.analysis.report import fmt, table
 from bench.harness.procs import (
     REPO,
@@ -641,6 +642,18 @@ def against_targets(
             line += (
                 f" (the bar: CPU <= {TARGET_CPU_RATIO}x {_verdict(cpu_ratio <= TARGET_CPU_RATIO)}"
                 f", requests/s >= {TARGET_RPS_RATIO}x {_verdict(rps_ratio >= TARGET_RPS_RATIO)})"
+            )
+        # The same ratios taken within each round (bench/analysis/paired.py says why).
+        cpu_rounds = round_ratios(
+            ours.samples.get(f"cpu_us_per_req@{c}", []), vr.samples.get(f"cpu_us_per_req@{c}", [])
+        )
+        rps_rounds = round_ratios(ours.samples.get(f"rps@{c}", []), vr.samples.get(f"rps@{c}", []))
+        if cpu_rounds and rps_rounds:
+            line += (
+                f"; paired by round: CPU {fmt(statistics.median(cpu_rounds), 2)}x "
+                f"({fmt(min(cpu_rounds), 2)}-{fmt(max(cpu_rounds), 2)}), requests/s "
+                f"{fmt(statistics.median(rps_rounds), 2)}x "
+                f"({fmt(min(rps_rounds), 2)}-{fmt(max(rps_rounds), 2)})"
             )
         lines.append(line + "\n")
     if direct is not None:
