@@ -259,24 +259,36 @@ def create_app(
     return app
 
 
+async def start_runtime(rt: Runtime, background: bool = True) -> None:
+    """What the app does before its first request: the upstream client, a first probe of every
+    replica, routing configured from what they said, then (``background``) the health loop and
+    the KV-event subscribers. The simulation starts its proxies with this too."""
+    await rt.data.relay.start()
+    await rt.health.start_up()
+    configure_routing(rt)
+    if background:
+        rt.health.start()
+    if rt.kv_events is not None:
+        await rt.kv_events.start()
+
+
+async def stop_runtime(rt: Runtime) -> None:
+    """``start_runtime`` undone, in reverse."""
+    if rt.kv_events is not None:
+        await rt.kv_events.stop()
+    await rt.health.stop()
+    await rt.data.relay.aclose()
+    await rt.upstream.aclose()
+
+
 def _lifespan(rt: Runtime, background: bool) -> Callable[[FastAPI], Any]:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await rt.data.relay.start()
-        await rt.health.start_up()
-        configure_routing(rt)
-        if background:
-            rt.health.start()
-        if rt.kv_events is not None:
-            await rt.kv_events.start()
+        await start_runtime(rt, background)
         try:
             yield
         finally:
-            if rt.kv_events is not None:
-                await rt.kv_events.stop()
-            await rt.health.stop()
-            await rt.data.relay.aclose()
-            await rt.upstream.aclose()
+            await stop_runtime(rt)
 
     return lifespan
 

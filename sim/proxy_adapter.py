@@ -1,9 +1,9 @@
 """The simulation's one point of contact with the proxy: real runtime, real wiring.
 
 ``build_runtime`` (proxy.app) builds the real Fleet, Router, ControlPlane, HealthMonitor, Probes
-and DataPlane on the simulated transport; this adapter starts and stops them the way the app's
-lifespan does and calls them the way the HTTP handlers do, turning a ``ProxyError`` into its
-status and anything else into the 500 the app's catch-all would answer.
+and DataPlane on the simulated transport; this adapter starts and stops them with the app's own
+``start_runtime`` / ``stop_runtime`` and calls them the way the HTTP handlers do, turning a
+``ProxyError`` into its status and anything else into the 500 the app's catch-all would answer.
 
 The data path goes through ``DataPlane.forward`` (eligibility, routing, retries) with the relay
 that an injected transport selects. When the data path's upstream client changes, this module is
@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from proxy.app import Runtime, build_runtime, configure_routing
+from proxy.app import Runtime, build_runtime, start_runtime, stop_runtime
 from proxy.errors import ProxyError
 from proxy.hotpath import EXTRACTORS, parse_json
 from proxy.settings import Settings
@@ -44,10 +44,7 @@ class ProxyUnderTest:
 
     async def start(self) -> None:
         rt = build_runtime(self.settings, self.transport)
-        await rt.data.relay.start()
-        await rt.health.start_up()
-        configure_routing(rt)
-        rt.health.start()
+        await start_runtime(rt)
         self.rt = rt
         self.generation += 1
 
@@ -55,9 +52,7 @@ class ProxyUnderTest:
         rt, self.rt = self.rt, None
         if rt is None:
             return
-        await rt.health.stop()
-        await rt.data.relay.aclose()
-        await rt.upstream.aclose()
+        await stop_runtime(rt)
 
     @property
     def up(self) -> bool:
