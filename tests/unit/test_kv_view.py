@@ -140,6 +140,20 @@ def test_store_remove_clear() -> None:
     assert (view.batches, view.events, view.next_seq) == (4, 6, 4)
 
 
+def test_stored_blocks_no_request_pins_count_as_freed_in_arrival_order() -> None:
+    # Generated blocks and another client's are evictable from the moment they are stored; the
+    # blocks of a request in flight here are not until it is released.
+    view = live_view()
+    view.hold(token=1, keys=[20, 21])
+    view.apply(1, batch(stored(20, 21, 30), stored(31)))
+    assert list(view.freed) == [30, 31]  # pinned 20 and 21 are not evictable
+    stamps = dict(view.freed)
+    view.apply(2, batch(stored(30)))  # a re-report keeps its place and stamp in the LRU order
+    assert view.freed == stamps and list(view.freed) == [30, 31]
+    view.release(1)
+    assert list(view.freed) == [30, 31, 21, 20]  # freed last, first block evicted last
+
+
 def test_held_prefix_stops_at_the_first_missing_block() -> None:
     view = live_view()
     view.apply(1, batch(stored(10, 11, 12, 14)))
