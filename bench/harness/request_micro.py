@@ -210,3 +210,57 @@ def request_timings(timer: Callable[[str, Callable[[], object]], Any]) -> tuple[
     ]
     timings += [timer(name, fn) for name, fn in stages + native_stages]
     return timings, str(router_module.__file__)
+
+
+# Bytes swept through the caches before each call of ``cold_samples``: above this machine's L2
+# (512 KiB per core) and a large share of its L3, as the other processes on the cores (wrk, the
+# backend, the kernel's TCP stack) leave them between two requests of a loaded proxy.
+CACHE_SWEEP_BYTES = 8 << 20
+
+
+def cold_samples(calls: int) -> list[tuple[str, list[float]]]:
+    """Per-call CPU time (us) of routing stages with the caches swept before each call, beside the
+    same calls hot: under load the index's Python objects (dict entries, keys, values) are
+    evicted between requests, which in-process timings of hot code do not show. The router is
+    the default runtime's with the C extension when built; distinct64 keys, already routed once."""
+    rt, path = _runtime("auto")
+    split = path.split_prompt
+    raws = [
+        json.dumps(completion_request(False, seed), separators=(",", ":")).encode()
+        for seed in range(DISTINCT_PROMPTS)
+    ]
+    keys = [
+        (packed_key(split, raw) if split is not None else None)
+        or extract_completion(parse_json(raw))
+        for raw in raws
+    ]
+    router = rt.router
+    loads = [(0, 0.0), (1, 0.0)]
+    for key in keys:
+        router.route(key, loads)
+    blocks = [router.block_keys(key) for key in keys]
+    sweep = bytearray(CACHE_SWEEP_BYTES)
+    lines = b"\x01" * (CACHE_SWEEP_BYTES // 64)
+
+    def per_call(fn: Callable[[int], object], cold: bool) -> list[float]:
+        samples = []
+        for i in range(calls):
+            if cold:
+                sweep[::64] = lines  # one write per 64-byte cache line
+            t0 = time.process_time_ns()
+            fn(i)
+            samples.append((time.process_time_ns() - t0) / 1e3)
+        return samples
+
+    def route(i: int) -> object:
+        return router.route(keys[i % len(keys)], loads)
+
+    def lookup(i: int) -> object:
+        return router.index.lookup(blocks[i % len(blocks)])
+
+    return [
+        ("Router.route, hot caches (distinct64 keys, one call at a time)", per_call(route, False)),
+        ("Router.route, caches swept before each call", per_call(route, True)),
+        ("  index lookup (32 blocks), hot caches", per_call(lookup, False)),
+        ("  index lookup (32 blocks), caches swept before each call", per_call(lookup, True)),
+    ]

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from bench.analysis.report import fmt, table
 from bench.harness.procs import REPO, machine_description
-from bench.harness.request_micro import request_timings
+from bench.harness.request_micro import CACHE_SWEEP_BYTES, cold_samples, request_timings
 from proxy.core.hashing import Namespace, make_hasher
 from proxy.core.prefix_index import PrefixIndex
 
@@ -201,8 +201,10 @@ def write_request_report(timings: Sequence[Timing], core: str, out: Path, comman
         f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} with `{command}`; core "
         f"modules: {core}. Machine: {machine['nproc']} cores ({machine['cpu']}), shared with "
         "other jobs: CPU time of this process, medians and minimums of batches. The stages are "
-        "timed alone, hot in the cache; under wrk each costs ~2x this (bench/results/"
-        "overhead_profile.md).\n\n"
+        "timed alone, hot in the cache; under wrk each costs more (bench/results/"
+        "overhead_profile.md), and the last rows time routing call by call with "
+        f"{CACHE_SWEEP_BYTES >> 20} MiB swept through the caches before each call, as other "
+        "processes leave them between two requests of a loaded proxy.\n\n"
     )
     md.append(
         table(
@@ -229,6 +231,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.request:
         runs, inner = (3, 50) if args.smoke else (15, 1000)
         stages, core = request_timings(lambda name, fn: time_call(name, fn, runs, inner))
+        for name, samples in cold_samples(200 if args.smoke else 5000):
+            stages.append(Timing(name, statistics.median(samples), min(samples), len(samples)))
         for t in stages:
             print(f"{t.name:>52}: median {t.median_us:7.1f} us  min {t.min_us:7.1f} us")
         print(f"wrote {write_request_report(stages, core, args.out, command.strip())}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.harness.request_micro import request_timings
+from bench.harness.request_micro import cold_samples, request_timings
 
 
 def test_every_stage_of_a_routed_request_runs_once() -> None:
@@ -20,3 +20,10 @@ def test_every_stage_of_a_routed_request_runs_once() -> None:
     assert called[0].startswith("DataPath.respond")
     assert any("hash" in name for name in called) and any("learn" in name for name in called)
     assert core.endswith("router.py")
+
+
+def test_cold_samples_time_each_routing_stage_hot_and_swept() -> None:
+    rows = cold_samples(3)
+    names = [name for name, _ in rows]
+    assert len(names) == 4 and sum("swept" in n for n in names) == 2
+    assert all(len(samples) == 3 and all(s > 0 for s in samples) for _, samples in rows)
