@@ -190,6 +190,19 @@ def test_bad_input_is_an_openai_shaped_400(make_fleet, content, fragment) -> Non
     assert fragment in err["message"] and err["type"] == "BadRequestError" and err["code"] == 400
 
 
+def test_a_field_only_the_replica_checks_comes_back_as_its_400(make_fleet) -> None:
+    """The proxy reads prompt and model only; vLLM validates the sampling fields, and its 400
+    reaches the client as it is, with the replica named."""
+    h = make_fleet(1)
+    body = {"model": "tiny/base", "prompt": [1, 2, 3], "seed": {"x": 1}}
+    r = h.client.post("/v1/completions", json=body)
+    assert r.status_code == 400 and r.headers["x-proxy-replica"] == "0"
+    assert "seed must be an integer" in r.json()["error"]["message"]
+    too_long = h.client.post("/v1/completions", json=body | {"seed": 7, "max_tokens": 10**9})
+    assert too_long.status_code == 400 and "max_tokens" in too_long.json()["error"]["message"]
+    assert h.client.post("/v1/completions", json=body | {"seed": 7}).status_code == 200
+
+
 def test_batched_prompts_and_n_route_on_the_first_prompt(make_fleet) -> None:
     h = make_fleet(2)
     p = make_prompt(random.Random(4))

@@ -39,6 +39,21 @@ def _error(message: str, type_: str, status: int, param: str | None = None) -> J
     return JSONResponse(error_body(message, type_, status, param), status)
 
 
+def _sampling_problem(body: Any, max_model_len: int) -> str | None:
+    """What vLLM's request validation refuses among the fields this fake reads, as its
+    message (vLLM answers 400 for each: never a 500, and never a max_tokens past the context)."""
+    if not isinstance(body, dict):
+        return "request body must be a JSON object"
+    for key in ("seed", "max_tokens"):
+        value = body.get(key)
+        if value is not None and type(value) is not int:
+            return f"{key} must be an integer or null, got {value!r:.80}"
+    max_tokens = body.get("max_tokens")
+    if max_tokens is not None and not 0 <= max_tokens <= max_model_len:
+        return f"max_tokens must be between 0 and {max_model_len}, got {max_tokens}"
+    return None
+
+
 def _vllm_error(exc: VllmError) -> JSONResponse:
     return JSONResponse(exc.body(), exc.status)
 
@@ -218,6 +233,9 @@ class FakeVllm:
     async def completions(self, request: Request) -> Response:
         raw = await request.body()
         body = json.loads(raw)
+        problem = _sampling_problem(body, self.max_model_len)
+        if problem:  # vLLM's request validation answers 400, never 500
+            return _error(problem, "BadRequestError", 400)
         self._record(request, body)
         self.seen_headers.append(dict(request.headers))
         await self._maybe_hang()
