@@ -16,9 +16,15 @@ def normalize_root(root: str) -> str:
     root = root.strip()
     if not root.startswith("/"):
         raise ValueError(f"adapter root {root!r} must be an absolute path")
-    if any(ord(c) < 0x20 for c in root):
+    if has_control(root):
         raise ValueError("adapter roots must not contain control characters")
     return normpath(root)
+
+
+def has_control(text: str) -> bool:
+    """Whether ``text`` holds an ASCII control character (C0 or DEL): refused in paths, which
+    reach logs, replicas' file systems and upstream URLs."""
+    return any(ord(c) < 0x20 or ord(c) == 0x7F for c in text)
 
 
 def normpath(path: str) -> str:

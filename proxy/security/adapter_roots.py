@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from proxy.checks import normalize_root, normpath
+from proxy.checks import has_control, normalize_root, normpath
 from proxy.errors import InvalidRequest
 
 
@@ -27,7 +27,7 @@ class AdapterRoots:
         problem: str | None = None
         if not path.startswith("/"):
             problem = "must be an absolute path"
-        elif any(ord(c) < 0x20 or ord(c) == 0x7F for c in path):
+        elif has_control(path):
             problem = "must not contain control characters"
         elif ".." in path.split("/"):
             problem = "must not contain '..' segments"

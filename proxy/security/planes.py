@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from enum import Enum
 
+from proxy.checks import has_control
+
 OPEN_PATHS = frozenset({"/health", "/livez", "/metrics"})
 ADMIN_PATHS = frozenset(
     {
@@ -53,7 +55,7 @@ def path_problem(path: str, raw_path: bytes | None = None) -> str | None:
         return None  # the common case (every path TRL and OpenAI clients use), one regex
     if not path.startswith("/"):
         return "the request path must start with '/'"
-    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in path):
+    if has_control(path):
         return "the request path contains control characters"
     if "\\" in path:
         return "the request path contains a backslash"

@@ -204,6 +204,7 @@ def test_key_comparison_is_digest_based_and_never_stops_early(monkeypatch) -> No
         ("~/bucket/a", False),
         ("/bucket/a\x00/x", False),
         ("/bucket/a\n", False),
+        ("/bucket/a\x7f", False),  # DEL too: one control-character rule (proxy.checks)
     ],
 )
 def test_adapter_roots(path: str, allowed: bool) -> None:
@@ -443,6 +444,9 @@ def test_adapter_roots_must_be_absolute() -> None:
     assert Settings(replicas=[REPLICA], adapter_roots="/a/, /b//c").adapter_roots == ["/a", "/b/c"]
     with pytest.raises(ValidationError, match="absolute"):
         Settings(replicas=[REPLICA], adapter_roots="bucket")
+    for control in ("\x01", "\x7f"):  # the rule lora_path and request paths are held to
+        with pytest.raises(ValidationError, match="control characters"):
+            Settings(replicas=[REPLICA], adapter_roots=f"/bucket{control}x")
 
 
 def test_tls_settings(tmp_path: Path) -> None:
