@@ -41,7 +41,7 @@ from proxy.health import HealthMonitor
 from proxy.hotpath import HOT_ROUTES, DataPath, ProxyApp, parse_json
 from proxy.membership import Membership, describe
 from proxy.metrics import Metrics
-from proxy.probes import Probes
+from proxy.probes import Probes, agreed
 from proxy.reconciler import Reconciler, wait_for_replica
 from proxy.relay import make_relay
 from proxy.security.adapter_roots import AdapterRoots
@@ -107,14 +107,6 @@ def _load_tokenizer(path: str) -> Tokenizer:
             return list(encoded["input_ids"])
 
     return _Adapter()
-
-
-def _agreed(values: dict[int, Any], what: str) -> tuple[Any, str | None]:
-    distinct = {v for v in values.values() if v is not None}
-    if len(distinct) > 1:
-        listing = ", ".join(f"replica {i}: {v}" for i, v in sorted(values.items()))
-        return None, f"replicas disagree on {what} ({listing}); refusing to route"
-    return (distinct.pop() if distinct else None), None
 
 
 def build_runtime(settings: Settings, transport: httpx.AsyncBaseTransport | None) -> Runtime:
@@ -213,8 +205,14 @@ def configure_routing(rt: Runtime) -> None:
     """Adopt the replicas' block size and hash algorithm unless set explicitly; refuse to
     route when they disagree (a prefix index keyed on the wrong block size is useless)."""
     members = rt.fleet.members()
-    size, err_size = _agreed({r.index: r.block_size for r in members}, "block size")
-    algo, err_algo = _agreed({r.index: r.hash_algo for r in members}, "prefix hash algorithm")
+    size, err_size = agreed(
+        {r.index: r.block_size for r in members},
+        "replicas disagree on block size ({}); refusing to route",
+    )
+    algo, err_algo = agreed(
+        {r.index: r.hash_algo for r in members},
+        "replicas disagree on prefix hash algorithm ({}); refusing to route",
+    )
     rt.data.routing_error = err_size or err_algo
     s = rt.settings
     block_size = s.block_size or size or DEFAULT_BLOCK_SIZE

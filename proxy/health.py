@@ -24,18 +24,21 @@ from proxy.upstream import Upstream
 log = logging.getLogger("rollout_proxy.health")
 
 
-def parse_models(payload: Any) -> tuple[str | None, int | None, dict[str, str]]:
-    """(base model, its max_model_len, adapters name -> path) from a vLLM /v1/models answer.
-    Adapters are the entries with a ``parent`` (vLLM sets it to the base model)."""
+def model_entries(payload: Any) -> list[dict[str, Any]]:
+    """The entries of a vLLM /v1/models answer that are objects with a string ``id``."""
     data = payload.get("data") if isinstance(payload, dict) else None
     if not isinstance(data, list):
         raise ValueError("/v1/models answer has no 'data' list")
+    return [e for e in data if isinstance(e, dict) and isinstance(e.get("id"), str)]
+
+
+def parse_models(payload: Any) -> tuple[str | None, int | None, dict[str, str]]:
+    """(base model, its max_model_len, adapters name -> path) from a vLLM /v1/models answer.
+    Adapters are the entries with a ``parent`` (vLLM sets it to the base model)."""
     base: str | None = None
     max_len: int | None = None
     adapters: dict[str, str] = {}
-    for entry in data:
-        if not isinstance(entry, dict) or not isinstance(entry.get("id"), str):
-            continue
+    for entry in model_entries(payload):
         if entry.get("parent"):
             adapters[entry["id"]] = str(entry.get("root") or "")
         elif base is None:

@@ -14,7 +14,7 @@ import httpx
 
 from proxy.core.fleet import Fleet, Replica
 from proxy.errors import InconsistentFleet, ProxyError, UpstreamUnavailable
-from proxy.health import parse_models
+from proxy.health import model_entries, parse_models
 from proxy.security import redact
 from proxy.upstream import Upstream
 
@@ -124,12 +124,6 @@ class Probes:
             )
         return out
 
-    def _check_same_base(self, bases: dict[int, str | None]) -> None:
-        distinct = {b for b in bases.values() if b}
-        if len(distinct) > 1:
-            listing = ", ".join(f"replica {i}: {b}" for i, b in sorted(bases.items()))
-            raise InconsistentFleet(f"replicas serve different base models ({listing})")
-
     async def models(self) -> dict[str, Any]:
         answers = await self._json_all("/v1/models")
         parsed = []
@@ -141,13 +135,8 @@ class Probes:
                     raise UpstreamUnavailable(f"replica {r.index}: {exc}") from None
         if not parsed:
             raise UpstreamUnavailable("no replica sent a usable /v1/models answer")
-        self._check_same_base({r.index: base for r, _, base, _, _ in parsed})
-        first_payload = parsed[0][1]
-        entries = {
-            e["id"]: e
-            for e in first_payload["data"]
-            if isinstance(e, dict) and isinstance(e.get("id"), str)
-        }
+        _same_base({r.index: base for r, _, base, _, _ in parsed})
+        entries = {e["id"]: e for e in model_entries(parsed[0][1])}
         base = parsed[0][2]
         lens = [mml for *_, mml, _ in parsed if mml is not None]
         common = set.intersection(*(set(adapters) for *_, adapters in parsed))
@@ -167,33 +156,31 @@ class Probes:
         infos = [payload for _, payload in answers]
         # The base model as each replica's config says (JSON form), else as its /v1/models
         # said: vLLM's default text form carries the config as one opaque string.
-        bases = {
-            r.index: _config_model(payload.get("vllm_config")) or r.base_model
-            for r, payload in answers
-        }
-        self._check_same_base(bases)
+        bases = {}
+        for r, payload in answers:
+            name = _dig(payload, "vllm_config", "model_config", "model")
+            bases[r.index] = name if isinstance(name, str) and name else r.base_model
+        _same_base(bases)
         merged = copy.deepcopy(infos[0])
         config = merged.get("vllm_config")
         if isinstance(config, dict):
+            configs = [p.get("vllm_config") for p in infos]
             parallel = config.get("parallel_config")
             if isinstance(parallel, dict):
                 # The fleet is N independent servers, not data parallelism: TRL sees the
                 # largest data_parallel_size of any one replica, so it takes the merged-weight
                 # path exactly when it would against that replica alone (an adapter load
                 # reaches one data-parallel rank of a server, through the proxy or not).
-                parallel["data_parallel_size"] = max(
-                    (_dp_size(p.get("vllm_config")) for p in infos), default=1
-                )
-            loras = [_lora_config(p.get("vllm_config")) for p in infos]
-            present = [c for c in loras if c is not None]
-            if len(present) != len(infos):
+                sizes = (_dig(c, "parallel_config", "data_parallel_size") for c in configs)
+                parallel["data_parallel_size"] = max([1, *(n for n in sizes if _is_int(n))])
+            loras = [_dig(c, "lora_config") for c in configs]
+            if not all(isinstance(c, dict) for c in loras):
                 config["lora_config"] = None  # LoRA must be enabled on every replica
             else:
-                lora = config["lora_config"]
                 for key in ("max_loras", "max_lora_rank", "max_cpu_loras"):
-                    values = [c[key] for c in present if _is_int(c.get(key))]
+                    values = [c[key] for c in loras if _is_int(c.get(key))]
                     if values:
-                        lora[key] = min(values)
+                        config["lora_config"][key] = min(values)
         merged["rollout_proxy"] = {"replicas": len(infos)}
         # vLLM's /server_info dumps its environment and full config: redacted before echoing.
         result: dict[str, Any] = redact(merged, self.secrets)
@@ -204,23 +191,29 @@ class Probes:
         return {"is_paused": any(p.get("is_paused") is True for _, p in answers)}
 
 
-def _dp_size(config: Any) -> int:
-    """A replica's data_parallel_size: 1 unless it reports a positive integer."""
-    parallel = config.get("parallel_config") if isinstance(config, dict) else None
-    value = parallel.get("data_parallel_size") if isinstance(parallel, dict) else None
-    return value if _is_int(value) and value >= 1 else 1
+def agreed(values: dict[int, Any], disagreement: str) -> tuple[Any, str | None]:
+    """The one rule for what every replica must share (base model, block size, prefix hash
+    algorithm): the value the replicas that report one agree on (None when none does) and no
+    error; or None and ``disagreement`` with ``{}`` filled by each replica's value."""
+    distinct = {v for v in values.values() if v}  # None or "" is no report
+    if len(distinct) > 1:
+        listing = ", ".join(f"replica {i}: {v}" for i, v in sorted(values.items()))
+        return None, disagreement.format(listing)
+    return (distinct.pop() if distinct else None), None
+
+
+def _same_base(bases: dict[int, str | None]) -> None:
+    _, different = agreed(bases, "replicas serve different base models ({})")
+    if different is not None:
+        raise InconsistentFleet(different)
 
 
 def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _config_model(config: Any) -> str | None:
-    model = config.get("model_config") if isinstance(config, dict) else None
-    name = model.get("model") if isinstance(model, dict) else None
-    return name if isinstance(name, str) else None
-
-
-def _lora_config(config: Any) -> dict[str, Any] | None:
-    lora = config.get("lora_config") if isinstance(config, dict) else None
-    return lora if isinstance(lora, dict) else None
+def _dig(payload: Any, *keys: str) -> Any:
+    """payload[k1][k2]..., or None where a level is not a JSON object (an untrusted answer)."""
+    for key in keys:
+        payload = payload.get(key) if isinstance(payload, dict) else None
+    return payload
