@@ -246,16 +246,12 @@ class Reconciler:
 
     def _request(self, action: Action) -> tuple[str, str | None, Any]:
         if action.kind == "load":
-            body = dict(action.body or {})
-            body["lora_name"], body["lora_path"] = action.name, action.path
+            body = {**(action.body or {}), "lora_name": action.name, "lora_path": action.path}
             return "/v1/load_lora_adapter", None, body
         if action.kind == "unload":
             return "/v1/unload_lora_adapter", None, {"lora_name": action.name}
-        if action.kind == "pause":
-            return "/pause", action.query or None, None
-        if action.kind == "resume":
-            return "/resume", None, None
-        return "/reset_prefix_cache", action.query or None, None
+        path = {"pause": "/pause", "resume": "/resume", "reset": "/reset_prefix_cache"}
+        return path[action.kind], action.query or None, None  # a query: pause and reset only
 
     async def _once(self, replica: Replica, action: Action) -> Outcome:
         """One attempt, under the replica's lock; updates what the proxy believes it holds."""
