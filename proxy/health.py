@@ -178,10 +178,9 @@ class HealthMonitor:
             log.debug("metrics scrape of replica %d failed: %s", replica.index, exc)
             return
         label = str(replica.index)
-        waiting = float(values.get("waiting", 0.0))
-        replica.queue_depth = unaccounted_requests(
-            float(values.get("running", 0.0)), waiting, replica.in_flight
-        )
+        waiting = values.get("waiting", 0.0)
+        running = values.get("running", 0.0)
+        replica.queue_depth = unaccounted_requests(running, waiting, replica.in_flight)
         replica.block_size = values.get("block_size", replica.block_size)
         replica.hash_algo = values.get("hash_algo", replica.hash_algo)
         if "num_gpu_blocks" in values and replica.block_size:
@@ -192,11 +191,10 @@ class HealthMonitor:
         if "kv_usage" in values:
             self.metrics.vllm_kv_usage.labels(label).set(values["kv_usage"])
         if "prefix_queries" in values:
-            self.fleet.record_cache(
-                replica.index, values["prefix_queries"], values.get("prefix_hits", 0.0)
-            )
-            self.metrics.vllm_prefix_queries.labels(label).set(values["prefix_queries"])
-            self.metrics.vllm_prefix_hits.labels(label).set(values.get("prefix_hits", 0.0))
+            queries, hits = values["prefix_queries"], values.get("prefix_hits", 0.0)
+            self.fleet.record_cache(replica.index, queries, hits)
+            self.metrics.vllm_prefix_queries.labels(label).set(queries)
+            self.metrics.vllm_prefix_hits.labels(label).set(hits)
 
     # -- one round --------------------------------------------------------------------------
 
