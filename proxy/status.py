@@ -120,13 +120,8 @@ def render(snapshot: dict[str, Any]) -> str:
 
 
 def admin_key(given: str | None) -> str | None:
-    if given:
-        return given
-    single = os.environ.get("PROXY_ADMIN_KEY")
-    if single:
-        return single
     keys = [k.strip() for k in os.environ.get("PROXY_ADMIN_KEYS", "").split(",") if k.strip()]
-    return keys[0] if keys else None
+    return given or os.environ.get("PROXY_ADMIN_KEY") or (keys[0] if keys else None)
 
 
 def fetch(client: httpx.Client, url: str, key: str | None) -> dict[str, Any]:
