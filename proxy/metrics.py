@@ -121,7 +121,7 @@ class _Tallies:
     """Collector exporting the tallies (registered on the app's registry)."""
 
     def __init__(self, tallies: Sequence[Tally | HistogramTally]) -> None:
-        self.tallies = tuple(tallies)
+        self.tallies = tallies
 
     def collect(self) -> Iterator[Metric]:
         for tally in self.tallies:
@@ -132,12 +132,91 @@ class _Tallies:
         return self.collect()
 
 
+# Every collector, in exposition order: (attribute, kind, name after "rollout_proxy_", label
+# names, help[, buckets]). Tally and HistogramTally: updated on every completion (see Tally).
+DECLARED: tuple[tuple[Any, ...], ...] = (
+    ("inflight", Gauge, "inflight", "replica", "Requests in flight per replica."),
+    ("requests", Tally, "requests", "route replica status",
+     "Requests answered, by route, replica and status."),
+    ("proxy_seconds", HistogramTally, "proxy_seconds", "route",
+     "Time spent inside the proxy per request (excl. upstream).", PROXY_BUCKETS),
+    ("upstream_seconds", HistogramTally, "upstream_seconds", "route replica",
+     "Time waiting on the replica (to full response).", UPSTREAM_BUCKETS),
+    ("decisions", Tally, "routing_decisions", "outcome",
+     "Routing decisions: affinity (specific prefix matched), spilled "
+     "(matched but too busy), unmatched (no specific prefix)."),
+    ("matched_blocks", HistogramTally, "matched_blocks", "",
+     "Specific prefix blocks matched on the chosen replica.", MATCH_BUCKETS),
+    # 1 on the implementation that runs the per-request parse and hashing (PROXY_NATIVE)
+    ("native", Gauge, "native_info", "implementation",
+     "Which implementation runs the per-request prompt parsing and block hashing: "
+     "implementation=c (the C extension) or python (the reference)."),
+    ("index_blocks", Gauge, "index_blocks", "", "Prefix blocks tracked by the index."),
+    ("index_evictions", Counter, "index_evictions", "", "Prefix blocks evicted from the index."),
+    ("broadcasts", Counter, "broadcasts", "endpoint replica outcome",
+     "Control-plane broadcasts by endpoint and per-replica outcome."),
+    ("load_attempts", Counter, "adapter_load_attempts", "replica result",
+     "Adapter load calls sent to replicas, by result."),
+    ("mount_lag_retries", Counter, "adapter_mount_lag_retries", "replica",
+     "Load retries because the replica could not see the "
+     "adapter files yet (404 No adapter found)."),
+    ("publish_seconds", Histogram, "adapter_publish_seconds", "",
+     "Load request received to adapter routable on all replicas.", PUBLISH_BUCKETS),
+    ("adapters_loaded", Gauge, "adapters_loaded", "replica", "Adapters confirmed loaded."),
+    ("adapter_latest", Gauge, "adapter_latest_version", "replica",
+     "N of the newest trl-policy-vN loaded on the replica."),
+    ("weight_seq", Gauge, "replica_weight_version", "replica",
+     "Merged-weight syncs the replica completed whole under the current weight-transfer "
+     "group (0: launch weights); the label TRL or the proxy gave it is in /health."),
+    ("weights_stale", Gauge, "replica_weights_stale", "replica",
+     "1 when the replica does not hold the fleet's merged weights (it takes no traffic)."),
+    ("replica_healthy", Gauge, "replica_healthy", "replica",
+     "1 when the replica takes traffic (READY), else 0."),
+    ("ejections", Counter, "replica_ejections", "replica", "Replicas ejected from routing."),
+    ("reconciliations", Counter, "replica_reconciliations", "replica outcome",
+     "Reconciliations of a replica with the desired state."),
+    ("vllm_waiting", Gauge, "replica_vllm_requests_waiting", "replica",
+     "vllm:num_requests_waiting scraped from the replica."),
+    ("vllm_kv_usage", Gauge, "replica_vllm_kv_cache_usage", "replica",
+     "vllm:kv_cache_usage_perc scraped from the replica."),
+    ("vllm_prefix_queries", Gauge, "replica_vllm_prefix_cache_queries", "replica",
+     "vllm:prefix_cache_queries_total (tokens) scraped."),
+    ("vllm_prefix_hits", Gauge, "replica_vllm_prefix_cache_hits", "replica",
+     "vllm:prefix_cache_hits_total (tokens) scraped."),
+)  # fmt: skip
+
+
 class Metrics:
-    """The collectors. What every completion updates is a tally (``Tally``,
+    """The collectors (``DECLARED``). What every completion updates is a tally (``Tally``,
     ``HistogramTally``); the rest are prometheus-client collectors, whose children are cached
     (``labels()`` validates and joins its label values on every call; a dict lookup on the same
     tuple is a tenth of that). Label sets are bounded (see the module docstring), so the tallies
     and caches are too."""
+
+    inflight: Gauge
+    requests: Tally
+    proxy_seconds: HistogramTally
+    upstream_seconds: HistogramTally
+    decisions: Tally
+    matched_blocks: HistogramTally
+    native: Gauge
+    index_blocks: Gauge
+    index_evictions: Counter
+    broadcasts: Counter
+    load_attempts: Counter
+    mount_lag_retries: Counter
+    publish_seconds: Histogram
+    adapters_loaded: Gauge
+    adapter_latest: Gauge
+    weight_seq: Gauge
+    weights_stale: Gauge
+    replica_healthy: Gauge
+    ejections: Counter
+    reconciliations: Counter
+    vllm_waiting: Gauge
+    vllm_kv_usage: Gauge
+    vllm_prefix_queries: Gauge
+    vllm_prefix_hits: Gauge
 
     def __init__(self) -> None:
         self._children: dict[tuple[Any, ...], Any] = {}
@@ -145,152 +224,21 @@ class Metrics:
         # process-wide in prometheus-client; every registry in this process is ours anyway.
         disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
-        p = "rollout_proxy_"
-        # Updated on every completion: plain tallies, exported at scrape (see Tally).
-        self.requests = Tally(
-            p + "requests",
-            "Requests answered, by route, replica and status.",
-            ["route", "replica", "status"],
-        )
-        self.proxy_seconds = HistogramTally(
-            p + "proxy_seconds",
-            "Time spent inside the proxy per request (excl. upstream).",
-            ["route"],
-            PROXY_BUCKETS,
-        )
-        self.upstream_seconds = HistogramTally(
-            p + "upstream_seconds",
-            "Time waiting on the replica (to full response).",
-            ["route", "replica"],
-            UPSTREAM_BUCKETS,
-        )
-        self.inflight = Gauge(
-            p + "inflight", "Requests in flight per replica.", ["replica"], registry=r
-        )
-        self.decisions = Tally(
-            p + "routing_decisions",
-            "Routing decisions: affinity (specific prefix matched), spilled "
-            "(matched but too busy), unmatched (no specific prefix).",
-            ["outcome"],
-        )
-        self.matched_blocks = HistogramTally(
-            p + "matched_blocks",
-            "Specific prefix blocks matched on the chosen replica.",
-            [],
-            MATCH_BUCKETS,
-        )
-        r.register(
-            _Tallies(
-                [
-                    self.requests,
-                    self.proxy_seconds,
-                    self.upstream_seconds,
-                    self.decisions,
-                    self.matched_blocks,
-                ]
-            )
-        )
-        # 1 on the implementation that runs the per-request parse and hashing (PROXY_NATIVE)
-        self.native = Gauge(
-            p + "native_info",
-            "Which implementation runs the per-request prompt parsing and block hashing: "
-            "implementation=c (the C extension) or python (the reference).",
-            ["implementation"],
-            registry=r,
-        )
-        self.index_blocks = Gauge(
-            p + "index_blocks", "Prefix blocks tracked by the index.", registry=r
-        )
-        self.index_evictions = Counter(
-            p + "index_evictions", "Prefix blocks evicted from the index.", registry=r
-        )
-        self.broadcasts = Counter(
-            p + "broadcasts",
-            "Control-plane broadcasts by endpoint and per-replica outcome.",
-            ["endpoint", "replica", "outcome"],
-            registry=r,
-        )
-        self.load_attempts = Counter(
-            p + "adapter_load_attempts",
-            "Adapter load calls sent to replicas, by result.",
-            ["replica", "result"],
-            registry=r,
-        )
-        self.mount_lag_retries = Counter(
-            p + "adapter_mount_lag_retries",
-            "Load retries because the replica could not see the "
-            "adapter files yet (404 No adapter found).",
-            ["replica"],
-            registry=r,
-        )
-        self.publish_seconds = Histogram(
-            p + "adapter_publish_seconds",
-            "Load request received to adapter routable on all replicas.",
-            buckets=PUBLISH_BUCKETS,
-            registry=r,
-        )
-        self.adapters_loaded = Gauge(
-            p + "adapters_loaded", "Adapters confirmed loaded.", ["replica"], registry=r
-        )
-        self.adapter_latest = Gauge(
-            p + "adapter_latest_version",
-            "N of the newest trl-policy-vN loaded on the replica.",
-            ["replica"],
-            registry=r,
-        )
-        self.weight_seq = Gauge(
-            p + "replica_weight_version",
-            "Merged-weight syncs the replica completed whole under the current weight-transfer "
-            "group (0: launch weights); the label TRL or the proxy gave it is in /health.",
-            ["replica"],
-            registry=r,
-        )
-        self.weights_stale = Gauge(
-            p + "replica_weights_stale",
-            "1 when the replica does not hold the fleet's merged weights (it takes no traffic).",
-            ["replica"],
-            registry=r,
-        )
-        self.replica_healthy = Gauge(
-            p + "replica_healthy",
-            "1 when the replica takes traffic (READY), else 0.",
-            ["replica"],
-            registry=r,
-        )
-        self.ejections = Counter(
-            p + "replica_ejections", "Replicas ejected from routing.", ["replica"], registry=r
-        )
-        self.reconciliations = Counter(
-            p + "replica_reconciliations",
-            "Reconciliations of a replica with the desired state.",
-            ["replica", "outcome"],
-            registry=r,
-        )
-        self.vllm_waiting = Gauge(
-            p + "replica_vllm_requests_waiting",
-            "vllm:num_requests_waiting scraped from the replica.",
-            ["replica"],
-            registry=r,
-        )
-        self.vllm_kv_usage = Gauge(
-            p + "replica_vllm_kv_cache_usage",
-            "vllm:kv_cache_usage_perc scraped from the replica.",
-            ["replica"],
-            registry=r,
-        )
-        self.vllm_prefix_queries = Gauge(
-            p + "replica_vllm_prefix_cache_queries",
-            "vllm:prefix_cache_queries_total (tokens) scraped.",
-            ["replica"],
-            registry=r,
-        )
-        self.vllm_prefix_hits = Gauge(
-            p + "replica_vllm_prefix_cache_hits",
-            "vllm:prefix_cache_hits_total (tokens) scraped.",
-            ["replica"],
-            registry=r,
-        )
+        tallies: list[Tally | HistogramTally] = []
+        collectors: list[Any] = []  # in DECLARED's order, the tallies as one collector
+        for attr, kind, name, labels, doc, *buckets in DECLARED:
+            args = ("rollout_proxy_" + name, doc, labels.split())
+            extra = {"buckets": buckets[0]} if buckets else {}
+            if kind in (Tally, HistogramTally):
+                if not tallies:
+                    collectors.append(_Tallies(tallies))
+                tallies.append(kind(*args, **extra))
+                setattr(self, attr, tallies[-1])
+            else:
+                collectors.append(kind(*args, registry=None, **extra))
+                setattr(self, attr, collectors[-1])
+        for collector in collectors:
+            self.registry.register(collector)
 
     def _child(self, collector: Any, *labels: str) -> Any:
         key = (id(collector), *labels)
