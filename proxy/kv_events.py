@@ -11,7 +11,6 @@ scrape time, so an event costs no Prometheus update; the only call on the reques
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import importlib
 import logging
 import re
@@ -42,6 +41,7 @@ from proxy.core.kv_view import (
     root_block,
 )
 from proxy.settings import Settings
+from proxy.shutdown import cancel_and_wait
 
 log = logging.getLogger("rollout_proxy.kv_events")
 
@@ -202,10 +202,7 @@ class ReplicaSubscriber:
         self._task = asyncio.create_task(self._run(), name=f"kv-events-{self.index}")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancel_and_wait(self._task)
 
     async def _run(self) -> None:
         sock = self._ctx.socket(zmq.SUB)
@@ -346,10 +343,7 @@ class KvEvents:
         self._supervisor = asyncio.create_task(self._supervise_loop(), name="kv-events")
 
     async def stop(self) -> None:
-        if self._supervisor is not None:
-            self._supervisor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._supervisor
+        await cancel_and_wait(self._supervisor)
         for sub in list(self.subscribers.values()):
             await sub.stop()
         self.subscribers.clear()

@@ -9,6 +9,7 @@ server (proxy/server.py) drives it, ``ProxyApp`` registers every request.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any
 
@@ -17,6 +18,14 @@ from proxy.errors import ProxyError, UpstreamUnavailable
 from proxy.security.guard import error_response_parts
 
 log = logging.getLogger("rollout_proxy.shutdown")
+
+
+async def cancel_and_wait(task: asyncio.Task[Any] | None) -> None:
+    """Stop a background task: cancel it and wait until it has ended."""
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 class Shutdown:
