@@ -30,13 +30,7 @@ from proxy.core.policy import POLICIES, Policy, make_policy
 from proxy.core.prefix_index import PrefixIndex
 from proxy.core.router import Router
 from proxy.dataplane import DataPlane
-from proxy.errors import (
-    ConfigError,
-    InvalidRequest,
-    NotSupported,
-    ProxyError,
-    UpstreamUnavailable,
-)
+from proxy.errors import ConfigError, InvalidRequest, NotSupported, ProxyError, UpstreamUnavailable
 from proxy.health import HealthMonitor
 from proxy.hotpath import HOT_ROUTES, DataPath, ProxyApp, parse_json
 from proxy.membership import Membership, describe
@@ -239,9 +233,16 @@ def create_app(
     background: bool = True,
 ) -> FastAPI:
     rt = build_runtime(settings, transport)
-    app = ProxyApp(
-        title="rollout-proxy", lifespan=_lifespan(rt, background), docs_url=None, redoc_url=None
-    )
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await start_runtime(rt, background)
+        try:
+            yield
+        finally:
+            await stop_runtime(rt)
+
+    app = ProxyApp(title="rollout-proxy", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.rt = rt
     # Error messages echo replicas' own error text; a replica (or a gateway in front of it)
     # could quote the token back, so every error body is redacted on its way out.
@@ -277,18 +278,6 @@ async def stop_runtime(rt: Runtime) -> None:
     await rt.health.stop()
     await rt.data.relay.aclose()
     await rt.upstream.aclose()
-
-
-def _lifespan(rt: Runtime, background: bool) -> Callable[[FastAPI], Any]:
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await start_runtime(rt, background)
-        try:
-            yield
-        finally:
-            await stop_runtime(rt)
-
-    return lifespan
 
 
 def _data_path(rt: Runtime, echo_secrets: tuple[str, ...]) -> DataPath:
