@@ -36,10 +36,10 @@ REMOVED_SETTINGS: dict[str, str] = {
 # Values of a setting that the proxy no longer accepts, as "name=value" -> what to use instead;
 # consulted when a value is refused (proxy/app.py checks PROXY_POLICY against the core's
 # registry at start-up).
-_USE_COST = (
-    "use PROXY_POLICY=cost (the default; it balances load by the cost of each replica's queue)"
+REMOVED_VALUES: dict[str, str] = dict.fromkeys(
+    ("policy=round_robin", "policy=least_loaded"),
+    "use PROXY_POLICY=cost (the default; it balances load by the cost of each replica's queue)",
 )
-REMOVED_VALUES: dict[str, str] = {"policy=round_robin": _USE_COST, "policy=least_loaded": _USE_COST}
 
 
 def _flag(name: str) -> str:
@@ -52,18 +52,12 @@ def removed_settings(
     """One message per removed setting found among ``cli_args`` (``--hot-path`` or
     ``--hot-path=...``), ``environ`` (``PROXY_HOT_PATH``, any case) and ``given`` (field names
     passed as keywords), each naming what replaces it."""
-    args = list(cli_args)
-    env = {k.upper() for k in environ}
-    keywords = set(given)
+    args, env, keywords = list(cli_args), {k.upper() for k in environ}, set(given)
     problems = []
     for name, instead in REMOVED_SETTINGS.items():
-        variable = f"PROXY_{name.upper()}"
-        flags = (_flag(name), "--" + name)
-        if (
-            variable in env
-            or name in keywords
-            or any(a in flags or a.startswith(tuple(f + "=" for f in flags)) for a in args)
-        ):
+        variable, flags = f"PROXY_{name.upper()}", (_flag(name), "--" + name)
+        flagged = any(a in flags or a.startswith(tuple(f + "=" for f in flags)) for a in args)
+        if variable in env or name in keywords or flagged:
             problems.append(f"{variable} ({_flag(name)}) was removed: {instead}")
     return problems
 
@@ -181,13 +175,12 @@ class Settings(BaseSettings):
     adapter_wait_s: float = Field(
         30,
         ge=0,
-        description="How long a rollout for a published adapter that no replica can serve yet "
-        "(its load is under way, or the replicas holding it restarted and reload it) waits for "
-        "one to get it before a 503 with Retry-After; 0 answers at once. Sized against the "
-        "mount lag and TRL: a lagging mount answering 10 'No adapter found' at "
-        "PROXY_LORA_RETRY_S=2 clears in about 20 s, plus one probe round to see it; TRL gives a "
-        "rollout 120 s in all (request_timeout) and retries after 1, 2, 4, 8, 16 s, so 30 s "
-        "leaves 90 s for the generation itself.",
+        description="How long a rollout for a published adapter no replica can serve yet (its "
+        "load under way, or the replicas holding it restarted and reloading it) waits for one "
+        "before a 503 with Retry-After; 0 answers at once. 30 s: a lagging mount answering 10 "
+        "'No adapter found' at PROXY_LORA_RETRY_S=2 clears in about 20 s, plus one probe "
+        "round; TRL gives a rollout 120 s in all (request_timeout) and retries after 1, 2, 4, "
+        "8, 16 s, so 30 s leaves 90 s for the generation.",
     )
     health_interval_s: float = Field(
         2, gt=0, description="Probe period; TRL itself polls /health every 2 s."
@@ -221,13 +214,12 @@ class Settings(BaseSettings):
     )
     native: Literal["auto", "on", "off"] = Field(
         "auto",
-        description="The pure primitives of a token-id completion (prompt scan and pack, "
-        "block-chain hashing) in the C extension proxy.core._native, or in their pure-Python "
-        "reference; routing decisions, keys and routes are the same either way "
-        "(docs/decisions/compiled-primitives.md). auto: the extension when it is built (pip "
-        "install / make setup compile it when a C compiler is present); on: refuse to start "
-        "without it; off: the reference. auto is the default because the extension costs less "
-        "CPU per request (bench/results/overhead.md, proxy vs proxy-python).",
+        description="Where a token-id completion's prompt scan and pack and block-chain hashing "
+        "run: the C extension proxy.core._native or its pure-Python reference, with the same "
+        "routing decisions, keys and routes (docs/decisions/compiled-primitives.md). auto: the "
+        "extension when built (pip install / make setup compile it given a C compiler); on: "
+        "refuse to start without it; off: the reference. auto by default: the extension costs "
+        "less CPU per request (bench/results/overhead.md, proxy vs proxy-python).",
     )
     shutdown_grace_s: float = Field(
         20,
