@@ -2,8 +2,9 @@
 one process -- tests, benchmarks -- never collide).
 
 Label values are bounded by construction: ``replica`` is an index < max_replicas, ``route`` is one
-of the proxy's own route names, ``status`` is an HTTP status class or code from a fixed set,
-``outcome``/``result`` come from fixed tuples. No adapter name or prompt is ever a label value:
+of the proxy's own route names (proxy/hotpath.py's HOT_ROUTES, proxy/app.py's ``_route_of``),
+``status`` is an HTTP status class or code from a fixed set, ``outcome``/``result`` come from
+fixed tuples. No adapter name or prompt is ever a label value:
 adapter versions are exported as a number (``rollout_proxy_adapter_latest_version``).
 """
 
@@ -24,24 +25,6 @@ PROXY_BUCKETS = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 0.01,
 UPSTREAM_BUCKETS = (0.005, 0.025, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900)
 PUBLISH_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
 MATCH_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256)
-
-ROUTES = (
-    "completions",
-    "chat_completions",
-    "models",
-    "health",
-    "server_info",
-    "load_lora_adapter",
-    "unload_lora_adapter",
-    "pause",
-    "resume",
-    "reset_prefix_cache",
-    "is_paused",
-    "forward",
-    "admin",
-    "metrics",
-    "weight_sync",
-)
 
 
 EXACT_STATUSES = (200, 400, 401, 403, 404, 413, 429, 500, 502, 503, 504)
