@@ -54,11 +54,13 @@ class Tally:
         values = self.values
         values[labels] = values.get(labels, 0.0) + amount
 
-    def family(self) -> Metric:
+    def collect(self) -> Iterator[Metric]:
+        """The exposition at scrape (a collector of its own, registered on the app's registry;
+        the registry also reads its name from here to check for collisions)."""
         family = CounterMetricFamily(self.name, self.documentation, labels=self.labels)
         for labels, value in self.values.items():
             family.add_metric(labels, value)
-        return family
+        yield family
 
 
 class HistogramTally:
@@ -88,7 +90,7 @@ class HistogramTally:
         series[bisect_left(self.bounds, value)] += 1
         series[-1] += value
 
-    def family(self) -> Metric:
+    def collect(self) -> Iterator[Metric]:
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.labels)
         les = [*map(floatToGoString, self.bounds), "+Inf"]
         for labels, series in self.series.items():
@@ -97,22 +99,7 @@ class HistogramTally:
                 total += count
                 cumulative.append((le, total))
             family.add_metric(list(labels), cumulative, series[-1])
-        return family
-
-
-class _Tallies:
-    """Collector exporting the tallies (registered on the app's registry)."""
-
-    def __init__(self, tallies: Sequence[Tally | HistogramTally]) -> None:
-        self.tallies = tallies
-
-    def collect(self) -> Iterator[Metric]:
-        for tally in self.tallies:
-            yield tally.family()
-
-    def describe(self) -> Iterator[Metric]:
-        # Names only (the registry checks them for collisions when this is registered).
-        return self.collect()
+        yield family
 
 
 # Every collector, in exposition order: (attribute, kind, name after "rollout_proxy_", label
@@ -207,21 +194,13 @@ class Metrics:
         # process-wide in prometheus-client; every registry in this process is ours anyway.
         disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = CollectorRegistry(auto_describe=True)
-        tallies: list[Tally | HistogramTally] = []
-        collectors: list[Any] = []  # in DECLARED's order, the tallies as one collector
         for attr, kind, name, labels, doc, *buckets in DECLARED:
-            args = ("rollout_proxy_" + name, doc, labels.split())
-            extra = {"buckets": buckets[0]} if buckets else {}
-            if kind in (Tally, HistogramTally):
-                if not tallies:
-                    collectors.append(_Tallies(tallies))
-                tallies.append(kind(*args, **extra))
-                setattr(self, attr, tallies[-1])
-            else:
-                collectors.append(kind(*args, registry=None, **extra))
-                setattr(self, attr, collectors[-1])
-        for collector in collectors:
+            kw = {"buckets": buckets[0]} if buckets else {}
+            if kind not in (Tally, HistogramTally):
+                kw["registry"] = None  # registered below, in DECLARED's order
+            collector = kind("rollout_proxy_" + name, doc, labels.split(), **kw)
             self.registry.register(collector)
+            setattr(self, attr, collector)
 
     def _child(self, collector: Any, *labels: str) -> Any:
         key = (id(collector), *labels)

@@ -21,13 +21,12 @@ from proxy.metrics import (
     HistogramTally,
     Metrics,
     Tally,
-    _Tallies,
 )
 
 
-def _exposition(*collectors: object) -> str:
+def _exposition(tally: object) -> str:
     registry = CollectorRegistry(auto_describe=True)
-    registry.register(_Tallies(collectors))  # type: ignore[arg-type]
+    registry.register(tally)  # type: ignore[arg-type]
     return generate_latest(registry).decode()
 
 
