@@ -42,10 +42,6 @@ REMOVED_VALUES: dict[str, str] = dict.fromkeys(
 )
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def removed_settings(
     cli_args: Iterable[str] = (), environ: Mapping[str, str] = os.environ, given: Iterable[str] = ()
 ) -> list[str]:
@@ -55,10 +51,11 @@ def removed_settings(
     args, env, keywords = list(cli_args), {k.upper() for k in environ}, set(given)
     problems = []
     for name, instead in REMOVED_SETTINGS.items():
-        variable, flags = f"PROXY_{name.upper()}", (_flag(name), "--" + name)
+        variable, flag = f"PROXY_{name.upper()}", "--" + name.replace("_", "-")
+        flags = (flag, "--" + name)
         flagged = any(a in flags or a.startswith(tuple(f + "=" for f in flags)) for a in args)
         if variable in env or name in keywords or flagged:
-            problems.append(f"{variable} ({_flag(name)}) was removed: {instead}")
+            problems.append(f"{variable} ({flag}) was removed: {instead}")
     return problems
 
 
