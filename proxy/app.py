@@ -372,7 +372,7 @@ def _probe_routes(app: FastAPI, rt: Runtime) -> None:
         # In-flight counts are read here rather than set on every request (two gauge updates
         # per completion otherwise); a replica seen once keeps its series, at 0 when idle.
         for replica in rt.fleet.replicas:
-            rt.metrics.inflight_for(str(replica.index)).set(replica.in_flight)
+            rt.metrics.inflight.labels(str(replica.index)).set(replica.in_flight)
         rt.weights.refresh_gauges()
         rt.metrics.index_blocks.set(len(rt.router.index))
         evicted = rt.router.index.evictions - rt.metrics.index_evictions._value.get()

@@ -158,10 +158,9 @@ DECLARED: tuple[tuple[Any, ...], ...] = (
 
 class Metrics:
     """The collectors (``DECLARED``). What every completion updates is a tally (``Tally``,
-    ``HistogramTally``); the rest are prometheus-client collectors, whose children are cached
-    (``labels()`` validates and joins its label values on every call; a dict lookup on the same
-    tuple is a tenth of that). Label sets are bounded (see the module docstring), so the tallies
-    and caches are too."""
+    ``HistogramTally``); the rest are prometheus-client collectors, updated off the data path
+    (control calls, probes, scrapes). Label sets are bounded (see the module docstring), so the
+    tallies are too."""
 
     inflight: Gauge
     requests: Tally
@@ -189,7 +188,6 @@ class Metrics:
     vllm_prefix_hits: Gauge
 
     def __init__(self) -> None:
-        self._children: dict[tuple[Any, ...], Any] = {}
         # The *_created series double the exposition for nothing a dashboard uses. The switch is
         # process-wide in prometheus-client; every registry in this process is ours anyway.
         disable_created_metrics()  # type: ignore[no-untyped-call]
@@ -201,13 +199,6 @@ class Metrics:
             collector = kind("rollout_proxy_" + name, doc, labels.split(), **kw)
             self.registry.register(collector)
             setattr(self, attr, collector)
-
-    def _child(self, collector: Any, *labels: str) -> Any:
-        key = (id(collector), *labels)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = collector.labels(*labels)
-        return child
 
     def count_request(self, route: str, replica: str, status: int) -> None:
         self.requests.inc((route, replica, status_label(status)))
@@ -225,6 +216,3 @@ class Metrics:
     def count_decision(self, outcome: str, matched_blocks: int) -> None:
         self.decisions.inc((outcome,))
         self.matched_blocks.observe((), matched_blocks)
-
-    def inflight_for(self, replica: str) -> Any:
-        return self._child(self.inflight, replica)
