@@ -143,6 +143,20 @@ class CostModel:
     expected_output_tokens: float = 600.0
     decode_step_base_s: float = 4e-3
 
+    def slots(self, candidate: Candidate) -> float:
+        """How many contexts like this request's (prompt + expected output) the candidate's KV
+        cache holds (its capacity must be known)."""
+        context = max(candidate.prompt_tokens, 0) + self.expected_output_tokens
+        return candidate.kv_capacity_tokens / context
+
+    def hold_seconds(self, slots: float) -> float:
+        """How long a request holds its KV blocks: its expected output's decode steps, at a
+        batch of ``slots`` sequences (the batch runs at most that many while requests wait for
+        blocks)."""
+        return self.expected_output_tokens * (
+            self.decode_step_base_s + self.decode_s_per_seq_step * slots
+        )
+
     def cost(
         self, candidate: Candidate, duplicate_tokens: int = 0, projected_waiting: float = 0.0
     ) -> float:
@@ -151,17 +165,16 @@ class CostModel:
         Prefill: the request waits for its own new tokens, and each of the ``load`` requests
         already there stalls for as long (a prefill step holds the batch). Decode: each step of
         this request reads the other ``load`` sequences' KV, and each of theirs reads this one's,
-        for about ``expected_output_tokens`` steps: 2 * load * tokens * per-sequence step cost.
+        for about ``expected_output_tokens`` steps.
 
-        Memory, when the replica's KV capacity is known: a cache that holds ``slots`` requests
-        like this one (prompt plus expected output) runs at most that many; the rest wait for
-        blocks. Joining a replica with ``load`` requests leaves ``load + 1 - slots`` waiting.
-        The blocks this request allocates there (its prompt beyond what the replica holds, plus
-        its output; a matched prefix is shared, not copied) are out of their reach while it
-        decodes, ``expected_output_tokens`` steps at a batch of ``slots``: each of them waits
-        that long times the share of the cache taken. On a memory-bound replica this is what a
-        spill really costs: the copy evicts prefixes that other rollouts then prefill again
-        (the memory table of bench/results/routing.md). Nothing is charged while all fit.
+        Memory, when the replica's KV capacity is known: a cache that holds :meth:`slots`
+        requests like this one runs at most that many; the rest wait for blocks, ``load + 1 -
+        slots`` of them once this one joins. The blocks this request allocates there (its prompt
+        beyond what the replica holds, plus its output; a matched prefix is shared, not copied)
+        are out of their reach for :meth:`hold_seconds`: each of them waits that long times the
+        share of the cache taken. On a memory-bound replica this is what a spill really costs:
+        the copy evicts prefixes that other rollouts then prefill again (the memory table of
+        bench/results/routing.md). Nothing is charged while all fit.
 
         Projected memory (``duplicate_tokens``, ``projected_waiting``: :meth:`CostBased.choose`
         sets them): the queue above is what is in flight *now*, so on the empty replicas of a
@@ -171,11 +184,9 @@ class CostModel:
         (its share of the fleet's KV capacity) of the contexts the fleet will carry (its
         concurrency, learned) that its caches cannot hold at once; those requests wait for the
         blocks of a copy another replica already holds (``duplicate_tokens``: this replica's
-        new prompt tokens beyond the fewest any candidate must prefill), for the same
-        ``hold_s``. That is the local term's price with the projected queue in place of the
-        current one, so the larger of the two is charged, never both (they price the same
-        wait). On a fleet whose caches hold every context in flight the excess is <= 0 and
-        nothing changes.
+        new prompt tokens beyond the fewest any candidate must prefill), for the same hold. It
+        prices the same wait as the current queue, so the larger of the two is charged, never
+        both. On a fleet whose caches hold every context in flight nothing changes.
         """
         load = candidate.load if candidate.load > 0.0 else 0.0
         new_tokens = candidate.new_tokens if candidate.new_tokens > 0 else 0
@@ -183,31 +194,18 @@ class CostModel:
         cost = new_tokens * self.prefill_s_per_token * (1.0 + load)
         cost += 2.0 * load * output * self.decode_s_per_seq_step
         capacity = candidate.kv_capacity_tokens
-        # slots() and hold_seconds() written inline: this runs per candidate on every request.
         if capacity > 0:
+            # slots() and hold_seconds() inlined, as this runs per candidate on every request
+            # (tests/unit/test_policy.py pins this copy to them).
             slots = capacity / (max(candidate.prompt_tokens, 0) + output)
             # Blocks held x requests waiting for them, now and as projected for the fleet.
-            now = (load + 1.0 - slots) * (new_tokens + output)
-            projected = projected_waiting * duplicate_tokens
-            blocked = max(now, projected)
+            blocked = max(
+                (load + 1.0 - slots) * (new_tokens + output), projected_waiting * duplicate_tokens
+            )
             if blocked > 0.0:
-                # The batch runs at most ``slots`` sequences while requests wait for blocks.
                 hold_s = output * (self.decode_step_base_s + self.decode_s_per_seq_step * slots)
                 cost += blocked / capacity * hold_s
         return cost
-
-    def slots(self, candidate: Candidate) -> float:
-        """How many contexts like this request's (prompt + expected output) the candidate's KV
-        cache holds (its capacity must be known)."""
-        context = max(candidate.prompt_tokens, 0) + self.expected_output_tokens
-        return candidate.kv_capacity_tokens / context
-
-    def hold_seconds(self, slots: float) -> float:
-        """How long a request holds its KV blocks: its expected output's decode steps, at a
-        batch of ``slots`` sequences."""
-        return self.expected_output_tokens * (
-            self.decode_step_base_s + self.decode_s_per_seq_step * slots
-        )
 
 
 # How fast the learned fleet concurrency forgets a peak: by a factor (1 - 1/N) per decision, so
@@ -288,7 +286,7 @@ class CostBased(RoundRobinTies):
         recompute, when the free block pool runs out). A replica whose cache holds ``slots``
         contexts like this one and has ``load`` in flight makes it wait behind
         ``load + 1 - slots`` requests, and a completion frees one context every
-        ``hold_s / slots`` (``hold_s``: :meth:`CostModel.cost`'s decode time of one context),
+        ``hold_s / slots`` (``hold_s``: :meth:`CostModel.hold_seconds`),
         so the wait is their product. :meth:`CostModel.cost` prices only the wait this
         request's blocks impose on others; charging the whole own wait too priced the same
         queue twice and over-spread both routers (bench/results/kv_events.md).
@@ -304,10 +302,7 @@ class CostBased(RoundRobinTies):
           cached there now and not pinned by a request still ahead of it is evicted first
           (vLLM and the simulator evict freed blocks LRU), so the hit that drew it there is
           gone and the extra wait buys nothing. That is x8's tail: the slowest requests all
-          behind one replica holding ~5x its cache in flight while the rest ran.
-
-        Roomy caches (no wait anywhere), a uniformly full fleet (equal waits) and queues within
-        one turnover of the fleet's charge nothing."""
+          behind one replica holding ~5x its cache in flight while the rest ran."""
         model = self.model
         waits: list[float] = []
         holds: list[float] = []
@@ -330,19 +325,17 @@ class CostBased(RoundRobinTies):
             raise ValueError("no candidates")
         excess, fleet_capacity = self._projected_excess(candidates)
         price = self.model.cost
-        if excess > 0.0:
-            fewest_new = min([max(c.new_tokens, 0) for c in candidates])
-            if self._holder_has_room(candidates, fewest_new):
-                costs = [
-                    price(
-                        c,
-                        max(c.new_tokens, 0) - fewest_new,
-                        excess * c.kv_capacity_tokens / fleet_capacity,
-                    )
-                    for c in candidates
-                ]
-            else:
-                costs = [price(c) for c in candidates]
+        if excess > 0.0 and self._holder_has_room(
+            candidates, fewest_new := min([max(c.new_tokens, 0) for c in candidates])
+        ):
+            costs = [
+                price(
+                    c,
+                    max(c.new_tokens, 0) - fewest_new,
+                    excess * c.kv_capacity_tokens / fleet_capacity,
+                )
+                for c in candidates
+            ]
         else:
             costs = [price(c) for c in candidates]
         # Some capacity unknown (fleet_capacity 0): no memory term is priced anywhere.
@@ -375,18 +368,13 @@ BENCH_ONLY_POLICIES = ("round_robin", "least_loaded")
 
 
 def make_policy(name: str, imbalance: float) -> Policy:
-    try:
+    """The policy called ``name``; ValueError naming what to use instead for any other."""
+    if name in POLICIES:
         return POLICIES[name](imbalance)
-    except KeyError:
-        raise ValueError(unknown_policy(name)) from None
-
-
-def unknown_policy(name: str) -> str:
-    """Why ``name`` is refused, naming what to use instead."""
     if name in BENCH_ONLY_POLICIES:
-        return (
+        raise ValueError(
             f"policy {name!r} is a benchmark baseline, not part of the proxy: use 'cost' (the "
             "default) or 'prefix'; benchmarks run it with "
             "`python -m bench.harness.proxy_with_baselines`"
         )
-    return f"unknown policy {name!r}; one of {sorted(POLICIES)} ('cost' is the default)"
+    raise ValueError(f"unknown policy {name!r}; one of {sorted(POLICIES)} ('cost' is the default)")

@@ -186,6 +186,47 @@ def test_memory_is_priced_only_where_the_cache_cannot_hold_the_queue(
     assert model.cost(candidate) - model.cost(compute_only) == pytest.approx(memory_s)
 
 
+@pytest.mark.parametrize(
+    "model",
+    [
+        CostModel(),
+        CostModel(
+            prefill_s_per_token=3e-6,
+            decode_s_per_seq_step=0.2e-3,
+            expected_output_tokens=250.0,
+            decode_step_base_s=9e-3,
+        ),
+    ],
+)
+@pytest.mark.parametrize(
+    ("candidate", "duplicate_tokens", "projected_waiting"),
+    [
+        (Candidate(0, 15, 0, 1900, 1900, 24_000), 0, 0.0),
+        (Candidate(0, 15, 112, 100, 1900, 24_000), 0, 0.0),
+        (Candidate(0, 2.5, 0, 300, 4000, 8_192), 0, 0.0),
+        (Candidate(0, -3, 0, -7, -1, 8_192), 0, 0.0),
+        (Candidate(1, 0, 0, 1578, 1978, 24_400), 1564, 6.5),
+        (Candidate(1, 12, 0, 1578, 1978, 24_400), 1564, 0.5),
+    ],
+)
+def test_cost_inlines_slots_and_hold_seconds_exactly(
+    model: CostModel, candidate: Candidate, duplicate_tokens: int, projected_waiting: float
+) -> None:
+    """``cost`` writes ``slots`` and ``hold_seconds`` inline for speed: its memory term is the
+    one those methods define."""
+    slots = model.slots(candidate)
+    now = (max(candidate.load, 0) + 1 - slots) * (
+        max(candidate.new_tokens, 0) + model.expected_output_tokens
+    )
+    blocked = max(now, projected_waiting * duplicate_tokens, 0.0)
+    expected = blocked / candidate.kv_capacity_tokens * model.hold_seconds(slots)
+    compute_only = dataclasses.replace(candidate, kv_capacity_tokens=0)
+    memory = model.cost(candidate, duplicate_tokens, projected_waiting) - model.cost(
+        compute_only, duplicate_tokens, projected_waiting
+    )
+    assert memory == pytest.approx(expected, rel=1e-9, abs=1e-15)
+
+
 def test_memory_keeps_a_group_together_where_compute_alone_splits_it() -> None:
     """Tight x4's case (bench/results/routing.md): a group member arrives while replica 0, which
     holds the group's 1,500-token prompt, has five requests more than replica 1. Compute alone
