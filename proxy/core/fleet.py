@@ -206,8 +206,7 @@ class Fleet:
             path is not None
             and path == self.desired_adapters.get(model)
             and replica.failures == 0
-            and replica.paused is not None
-            and replica.paused == self.desired_paused
+            and replica.paused == self.desired_paused  # None (unknown) never equals it
         )
 
     def eligible(self, model: str) -> list[Replica]:
@@ -264,9 +263,7 @@ class Fleet:
         return any(model in r.adapters for r in self.replicas) or model in self.desired_adapters
 
     def lora_path(self, model: str) -> str | None:
-        if self.is_base_model(model):
-            return None
-        return self.desired_adapters.get(model)
+        return None if self.is_base_model(model) else self.desired_adapters.get(model)
 
     # -- observations -----------------------------------------------------------------------
 
@@ -343,9 +340,8 @@ class Fleet:
         unload = [
             name for name in replica.adapters if name not in self.desired_adapters or name in load
         ]
-        pause: bool | None = None
-        if replica.paused is None or replica.paused != self.desired_paused:
-            pause = self.desired_paused
+        # An unknown pause state (None) is re-applied too.
+        pause = None if replica.paused == self.desired_paused else self.desired_paused
         return ReconcilePlan(load, unload, pause, self.pause_query, replica.paused is not None)
 
     def mark_reconciled(self, index: int) -> None:
