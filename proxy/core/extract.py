@@ -29,9 +29,8 @@ class Tokenizer(Protocol):
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]: ...
 
 
-# Built for every request: a plain slotted dataclass, not a frozen one, whose __init__ pays an
-# object.__setattr__ call per field (policy.py's Candidate and Decision likewise). Nothing
-# changes a key after extraction.
+# Built for every request: slotted, not frozen, for the reason policy.py's Candidate gives.
+# Nothing changes a key after extraction.
 @dataclass(slots=True)
 class RoutingKey:
     """Everything routing needs from one request.
@@ -212,18 +211,6 @@ def _content_text(content: Any, index: int) -> str:
     )
 
 
-def render_chat(messages: list[dict[str, Any]]) -> str:
-    """Stable text rendering of a conversation for the approximate mode.
-
-    Separators are ASCII control characters that do not occur in normal text, so two
-    different conversations cannot render to the same string by moving text across a
-    role boundary.
-    """
-    return "".join(
-        f"\x1e{m['role']}\x1f{_content_text(m.get('content'), i)}" for i, m in enumerate(messages)
-    )
-
-
 def extract_chat(body: Any, tokenizer: Tokenizer | None = None) -> RoutingKey:
     """Routing key of a ``/v1/chat/completions`` body."""
     model, salt, stream = _common(body)
@@ -235,7 +222,12 @@ def extract_chat(body: Any, tokenizer: Tokenizer | None = None) -> RoutingKey:
             raise InvalidRequest(
                 f"messages[{i}] must be an object with a string 'role'", param="messages"
             )
-    rendered = render_chat(messages)  # validates every content, even with a tokenizer
+    # The approximate mode's text, which validates every content (even with a tokenizer). The
+    # separators are ASCII control characters that do not occur in normal text, so two
+    # conversations cannot render alike by moving text across a role boundary.
+    rendered = "".join(
+        f"\x1e{m['role']}\x1f{_content_text(m.get('content'), i)}" for i, m in enumerate(messages)
+    )
     if tokenizer is not None:
         return RoutingKey(model, tokenizer.encode_chat(messages), None, salt, stream, 1)
     return RoutingKey(model, None, rendered.encode("utf-8", "surrogatepass"), salt, stream, 1)
