@@ -26,7 +26,7 @@ from proxy.core import native
 from proxy.core.extract import Tokenizer
 from proxy.core.fleet import Fleet, Replica, Status
 from proxy.core.hashing import make_hasher
-from proxy.core.policy import POLICIES, Policy, make_policy
+from proxy.core.policy import Policy, make_policy
 from proxy.core.prefix_index import PrefixIndex
 from proxy.core.router import Router
 from proxy.dataplane import DataPlane
@@ -44,7 +44,7 @@ from proxy.security.keys import KeyRing
 from proxy.security.limits import PromptLimits
 from proxy.security.redaction import redact
 from proxy.security.schemas import LOAD_BODY, UNLOAD_BODY
-from proxy.settings import REMOVED_VALUES, Settings
+from proxy.settings import Settings
 from proxy.shutdown import Shutdown
 from proxy.upstream import Upstream
 from proxy.weight_sync import WeightSync
@@ -184,15 +184,11 @@ def build_runtime(settings: Settings, transport: httpx.AsyncBaseTransport | None
 
 
 def _policy(settings: Settings) -> Policy:
-    """PROXY_POLICY from the core's registry; a removed name says what replaces it."""
-    if settings.policy not in POLICIES:
-        instead = REMOVED_VALUES.get(f"policy={settings.policy}")
-        if instead is not None:
-            raise ConfigError(f"PROXY_POLICY={settings.policy} was removed: {instead}")
-        raise ConfigError(
-            f"PROXY_POLICY: unknown policy {settings.policy!r}; one of {sorted(POLICIES)}"
-        )
-    return make_policy(settings.policy, settings.imbalance)
+    """PROXY_POLICY from the core's registry, which names what to use instead of any other."""
+    try:
+        return make_policy(settings.policy, settings.imbalance)
+    except ValueError as exc:
+        raise ConfigError(f"PROXY_POLICY: {exc}") from None
 
 
 def configure_routing(rt: Runtime) -> None:

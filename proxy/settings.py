@@ -33,13 +33,6 @@ REMOVED_SETTINGS: dict[str, str] = {
     "hot_path": "completions are always answered from the server's protocol (proxy/front.py); "
     "remove the setting",
 }
-# Values of a setting that the proxy no longer accepts, as "name=value" -> what to use instead;
-# consulted when a value is refused (proxy/app.py checks PROXY_POLICY against the core's
-# registry at start-up).
-REMOVED_VALUES: dict[str, str] = dict.fromkeys(
-    ("policy=round_robin", "policy=least_loaded"),
-    "use PROXY_POLICY=cost (the default; it balances load by the cost of each replica's queue)",
-)
 
 
 def removed_settings(
