@@ -2,8 +2,9 @@
 each group in its own function. Completions are served before FastAPI sees them
 (proxy/front.py, proxy/hotpath.py), which also documents them in the OpenAPI schema.
 
-``create_app(settings, transport=None)``: ``transport`` lets tests put fake replicas behind the
-proxy through an ASGI transport without sockets.
+``create_app(settings, transport=None, make_relay=None)``: ``transport`` lets tests put fake
+replicas behind the proxy through an httpx transport without sockets, with ``make_relay`` the data
+path's client over it (fakes/httpx_relay.py) in the lean pool's place.
 """
 
 from __future__ import annotations
@@ -35,9 +36,9 @@ from proxy.health import HealthMonitor
 from proxy.hotpath import HOT_ROUTES, DataPath, ProxyApp, parse_json
 from proxy.membership import Membership, describe
 from proxy.metrics import Metrics
+from proxy.pool import LeanPool, Relay
 from proxy.probes import Probes, agreed
 from proxy.reconciler import Reconciler, wait_for_replica
-from proxy.relay import make_relay
 from proxy.security.adapter_roots import AdapterRoots
 from proxy.security.guard import Guard, SecurityMiddleware
 from proxy.security.keys import KeyRing
@@ -103,7 +104,11 @@ def _load_tokenizer(path: str) -> Tokenizer:
     return _Adapter()
 
 
-def build_runtime(settings: Settings, transport: httpx.AsyncBaseTransport | None) -> Runtime:
+def build_runtime(
+    settings: Settings,
+    transport: httpx.AsyncBaseTransport | None,
+    make_relay: Callable[[Upstream], Relay] | None = None,
+) -> Runtime:
     """Every collaborator, built in dependency order and handed to what uses it. Raises
     ConfigError for settings only the domain can check (the policy name)."""
     use_native = native.resolve(settings.native)  # PROXY_NATIVE=on without the module: refused
@@ -155,7 +160,7 @@ def build_runtime(settings: Settings, transport: httpx.AsyncBaseTransport | None
         settings.max_header_bytes,
         (token.encode(),) if token else (),
     )
-    relay = make_relay(settings, upstream, transport is not None)
+    relay = make_relay(upstream) if make_relay else LeanPool.from_settings(settings)
 
     async def wait_for(model: str) -> None:
         await wait_for_replica(
@@ -226,9 +231,10 @@ def create_app(
     settings: Settings,
     transport: httpx.AsyncBaseTransport | None = None,
     *,
+    make_relay: Callable[[Upstream], Relay] | None = None,
     background: bool = True,
 ) -> FastAPI:
-    rt = build_runtime(settings, transport)
+    rt = build_runtime(settings, transport, make_relay)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -29,7 +29,7 @@ from proxy.core.policy import Decision
 from proxy.core.router import Router
 from proxy.errors import ModelNotFound, UpstreamUnavailable
 from proxy.metrics import Metrics
-from proxy.relay import Relay, Reply
+from proxy.pool import Relay, Reply
 from proxy.security.guard import Guard
 from proxy.upstream import ReplicaBroken, ReplicaUnreachable
 

@@ -1,5 +1,6 @@
 """The data path's upstream client: a small keep-alive HTTP/1.1 pool on ``asyncio.Protocol`` and
-httptools' response parser: the one client of the data path.
+httptools' response parser: the data path's client (tests and the simulation reach in-process
+replicas through httpx instead: fakes/httpx_relay.py).
 
 Why not a library: the upstream client sets the floor of a Python relay, and general clients pay for
 a request object model, a task per request and header multidicts on every call
@@ -40,14 +41,21 @@ from __future__ import annotations
 
 import asyncio
 import ssl
-from collections.abc import AsyncIterator, Coroutine, Mapping
-from typing import cast
+from collections.abc import AsyncIterator, Awaitable, Coroutine, Mapping
+from typing import Protocol, cast
 from urllib.parse import urlsplit
 
 import httptools
 
 from proxy.errors import UpstreamTimeout
-from proxy.upstream import ReplicaBroken, ReplicaUnreachable, tls_failure_reason
+from proxy.settings import Settings
+from proxy.upstream import (
+    ReplicaBroken,
+    ReplicaUnreachable,
+    tls_failure_reason,
+    tls_verify,
+    upstream_headers,
+)
 
 # Idle keep-alive connections are closed after 60 s: longer than any gap between a trainer's
 # rollouts, shorter than typical load-balancer idle timeouts in front of replicas (the value the
@@ -71,6 +79,43 @@ JOIN_BELOW = 64 * 1024
 # Request lines (method, path, host, fixed headers) kept ready per replica origin: the data plane
 # posts to two paths, 16 leaves room for any other caller without letting one grow the cache.
 MAX_REQUEST_LINES = 16
+
+
+class Reply(Protocol):
+    """What the data plane reads of an upstream answer (``LeanReply``, or a test's stand-in)."""
+
+    status: int
+    body: bytes  # empty for a streamed reply
+    # True once ``close()`` has nothing left to do (the lean pool's buffered replies give their
+    # connection back as soon as the body is in): the data plane then skips awaiting it.
+    released: bool
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+    def chunks(self) -> AsyncIterator[bytes]: ...
+
+    async def close(self) -> None: ...
+
+
+class Relay(Protocol):
+    """The data plane's upstream client: ``LeanPool``, or (``create_app``'s ``make_relay``) one
+    that reaches in-process replicas through the injected httpx transport."""
+
+    async def start(self) -> None: ...
+
+    # A coroutine function, or (the lean pool) a function that returns its coroutine.
+    def post(
+        self,
+        replica: int,
+        base_url: str,
+        path: str,
+        content: bytes,
+        headers: Mapping[str, str],
+        stream: bool,
+    ) -> Awaitable[Reply]: ...
+
+    async def aclose(self) -> None: ...
 
 
 class _Lost(Exception):
@@ -386,6 +431,15 @@ class LeanPool:
         self.conns: set[Connection] = set()
         self.watch_every = min(1.0, read_timeout / 4)
         self._watchdog: asyncio.TimerHandle | None = None
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> LeanPool:
+        return cls(
+            connect_timeout=settings.connect_timeout_s,
+            read_timeout=settings.upstream_timeout_s,
+            ssl_context=tls_verify(settings),
+            fixed_headers=upstream_headers(settings),
+        )
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:

@@ -1,5 +1,5 @@
-"""The one shared upstream HTTP client, and the translation of transport failures into the
-proxy's error hierarchy (the only place httpx exceptions are caught).
+"""The one shared upstream HTTP client (control calls and probes), and the translation of
+transport failures into the proxy's error hierarchy.
 
 Failures are classified by whether the request can have reached the replica:
 
@@ -179,21 +179,3 @@ class Upstream:
             )
         except httpx.HTTPError as exc:
             raise translate(exc, replica, f"{method} {path}") from exc
-
-    async def open_stream(
-        self,
-        replica: int,
-        base_url: str,
-        path: str,
-        content: bytes,
-        headers: Mapping[str, str],
-    ) -> httpx.Response:
-        """Send a POST and return as soon as headers arrive; the caller streams the body and
-        must close the response."""
-        request = self.client.build_request(
-            "POST", base_url + path, content=content, headers=headers
-        )
-        try:
-            return await self.client.send(request, stream=True)
-        except httpx.HTTPError as exc:
-            raise translate(exc, replica, f"POST {path}") from exc

@@ -5,9 +5,9 @@ and DataPlane on the simulated transport; this adapter starts and stops them wit
 ``start_runtime`` / ``stop_runtime`` and calls them the way the HTTP handlers do, turning a
 ``ProxyError`` into its status and anything else into the 500 the app's catch-all would answer.
 
-The data path goes through ``DataPlane.forward`` (eligibility, routing, retries) with the relay
-that an injected transport selects. When the data path's upstream client changes, this module is
-the only one to re-point.
+The data path goes through ``DataPlane.forward`` (eligibility, routing, retries) with
+fakes/httpx_relay.py's relay over the simulated transport. When the data path's upstream client
+changes, this module is the only one to re-point.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 
 import orjson
 
+from fakes.httpx_relay import HttpxRelay
 from proxy.app import Runtime, build_runtime, start_runtime, stop_runtime
 from proxy.errors import ProxyError
 from proxy.hotpath import EXTRACTORS, parse_json
@@ -43,7 +44,7 @@ class ProxyUnderTest:
         self.generation = 0
 
     async def start(self) -> None:
-        rt = build_runtime(self.settings, self.transport)
+        rt = build_runtime(self.settings, self.transport, HttpxRelay)
         await start_runtime(rt)
         self.rt = rt
         self.generation += 1

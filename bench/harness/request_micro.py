@@ -25,7 +25,7 @@ from proxy.core.fleet import Status
 from proxy.core.policy import Candidate
 from proxy.dataplane import RelayedBody, completion_token_ids
 from proxy.hotpath import DataPath, packed_key, parse_json, request_id
-from proxy.relay import Reply
+from proxy.pool import Reply
 from proxy.settings import Settings
 
 T = TypeVar("T")

@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from fakes.httpx_relay import HttpxRelay
 from proxy.app import create_app
 from proxy.settings import Settings
 
@@ -154,7 +155,9 @@ async def proxy_for() -> AsyncIterator[Any]:
             lora_retry_s=0.1,
             health_interval_s=60,
         )
-        app = create_app(settings, httpx.MockTransport(replica), background=False)
+        app = create_app(
+            settings, httpx.MockTransport(replica), make_relay=HttpxRelay, background=False
+        )
         lifespan = app.router.lifespan_context(app)
         await lifespan.__aenter__()
         stack.append(lifespan)
