@@ -27,9 +27,9 @@ What it handles, because real replicas do all of it:
   stream instead of growing the proxy's memory.
 * TLS to https replicas with the same SSL context as every other client (proxy/upstream.py's
   ``tls_verify``: the CA bundle, or the explicit insecure opt-out).
-* Failures classified for the retry rule: ``ReplicaUnreachable`` (nothing sent: refused, DNS,
-  connect timeout, TLS handshake), ``ReplicaBroken`` (connection lost or garbled before or
-  during the response), ``UpstreamTimeout`` (silent too long).
+* Failures classified for the retry rule as proxy/upstream.py classifies httpx's: nothing sent
+  (refused, DNS, connect timeout, TLS handshake), connection lost or garbled before or during
+  the response, silent too long; an unreachable replica is worded by the same helper.
 
 No task and no closure per request: a request is one ``transport.write`` and one future per
 wait. Each connection keeps one httptools parser for all its responses (llhttp frames the next
@@ -49,13 +49,7 @@ import httptools
 
 from proxy.errors import UpstreamTimeout
 from proxy.settings import Settings
-from proxy.upstream import (
-    ReplicaBroken,
-    ReplicaUnreachable,
-    tls_failure_reason,
-    tls_verify,
-    upstream_headers,
-)
+from proxy.upstream import ReplicaBroken, tls_verify, unreachable, upstream_headers
 
 # Idle keep-alive connections are closed after 60 s: longer than any gap between a trainer's
 # rollouts, shorter than typical load-balancer idle timeouts in front of replicas (the value the
@@ -572,7 +566,6 @@ class LeanPool:
 
     async def _connect(self, origin: Origin, replica: int, path: str) -> Connection:
         conn = Connection(self, origin)
-        what = f"replica {replica} unreachable for POST {path}"
         try:
             async with asyncio.timeout(self.connect_timeout):
                 await self.loop.create_connection(
@@ -582,15 +575,8 @@ class LeanPool:
                     ssl=origin.ssl,
                     server_hostname=origin.server_hostname,
                 )
-        except ssl.SSLError as exc:
-            raise ReplicaUnreachable(
-                f"{what}: TLS handshake failed ({tls_failure_reason(exc)}); "
-                "see PROXY_UPSTREAM_CA_BUNDLE"
-            ) from exc
-        except TimeoutError as exc:
-            raise ReplicaUnreachable(f"{what}: ConnectTimeout") from exc
-        except OSError as exc:
-            raise ReplicaUnreachable(f"{what}: {type(exc).__name__}") from exc
+        except OSError as exc:  # (TimeoutError and ssl.SSLError included)
+            raise unreachable(replica, f"POST {path}", exc) from exc
         if not conn.closed:  # (lost already: nothing to watch)
             self.conns.add(conn)
             self._arm_watchdog()

@@ -1,5 +1,5 @@
 """The one shared upstream HTTP client (control calls and probes), and the translation of
-transport failures into the proxy's error hierarchy.
+transport failures into the proxy's error hierarchy, for it and for the lean pool (proxy/pool.py).
 
 Failures are classified by whether the request can have reached the replica:
 
@@ -62,9 +62,20 @@ def _tls_failure(exc: BaseException) -> ssl.SSLError | None:
     return None
 
 
-def tls_failure_reason(error: ssl.SSLError) -> str:
-    """The words an operator needs from a failed handshake ("certificate verify failed: ...")."""
-    return str(getattr(error, "verify_message", None) or getattr(error, "reason", None) or "error")
+def unreachable(replica: int, what: str, cause: Exception) -> ReplicaUnreachable:
+    """Nothing was sent, because of ``cause`` (for httpx and the lean pool alike): a connect
+    timeout, a failed TLS handshake, or the exception's name."""
+    if isinstance(cause, ssl.SSLError):
+        # No request (and no token) was sent. Say why, since "unreachable" alone sends an
+        # operator looking at the network; the words are the handshake's own ("certificate
+        # verify failed: ...").
+        reason = getattr(cause, "verify_message", None) or getattr(cause, "reason", None)
+        why = f"TLS handshake failed ({reason or 'error'}); see PROXY_UPSTREAM_CA_BUNDLE"
+    elif isinstance(cause, TimeoutError):
+        why = "ConnectTimeout"  # (asyncio's, in the lean pool: named as httpx names it)
+    else:
+        why = type(cause).__name__
+    return ReplicaUnreachable(f"replica {replica} unreachable for {what}: {why}")
 
 
 def translate(
@@ -72,15 +83,8 @@ def translate(
 ) -> UpstreamUnavailable | UpstreamTimeout:
     """httpx exception -> proxy error. Messages name the replica, never headers or tokens."""
     tls = _tls_failure(exc) if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout) else None
-    if tls is not None:
-        # The handshake failed: no request (and no token) was sent. Say why, since "unreachable"
-        # alone sends an operator looking at the network.
-        return ReplicaUnreachable(
-            f"replica {replica} unreachable for {what}: TLS handshake failed "
-            f"({tls_failure_reason(tls)}); see PROXY_UPSTREAM_CA_BUNDLE"
-        )
-    if isinstance(exc, httpx.TransportError) and _never_connected(exc):
-        return ReplicaUnreachable(f"replica {replica} unreachable for {what}: {type(exc).__name__}")
+    if tls is not None or (isinstance(exc, httpx.TransportError) and _never_connected(exc)):
+        return unreachable(replica, what, tls or exc)
     if isinstance(exc, httpx.TimeoutException):
         return UpstreamTimeout(f"replica {replica} timed out on {what}")
     return ReplicaBroken(f"replica {replica} failed during {what}: {type(exc).__name__}")
