@@ -1,21 +1,19 @@
 """The data path's upstream client: a small keep-alive HTTP/1.1 pool on ``asyncio.Protocol`` and
-httptools' response parser: the data path's client (tests and the simulation reach in-process
-replicas through httpx instead: fakes/httpx_relay.py).
+httptools' response parser (tests and the simulation reach in-process replicas through httpx
+instead: fakes/httpx_relay.py).
 
-Why not a library: the upstream client sets the floor of a Python relay, and general clients pay for
-a request object model, a task per request and header multidicts on every call
-(docs/decisions/lean-pool.md has the side-by-side figures). What the relay needs is narrow: POST a
-body it already holds, read one response (Content-Length, chunked, or until close), keep the
-connection for the next request. That is what is here, and nothing else: the control plane and
+Why not a library: the upstream client sets the floor of a Python relay, and general clients pay
+for a request object model, a task per request and header multidicts on every call
+(docs/decisions/lean-pool.md has the side-by-side figures). The relay needs only this: POST a body
+it already holds, read one response, keep the connection for the next request. Control calls and
 probes keep httpx (proxy/upstream.py).
 
 What it handles, because real replicas do all of it:
 
-* Content-Length and chunked bodies (vLLM streams SSE chunked), and bodies delimited by close.
-* Connect, read and idle timeouts: connect as ``PROXY_CONNECT_TIMEOUT_S``; read as the longest
-  silence (``PROXY_UPSTREAM_TIMEOUT_S``, checked by one watchdog for all requests), not counted
-  while the client is the slow side;
-  idle keep-alive connections are dropped after ``IDLE_TIMEOUT_S``.
+* Content-Length, chunked (vLLM streams SSE chunked) and close-delimited bodies.
+* Timeouts: connect (``PROXY_CONNECT_TIMEOUT_S``); read as the longest silence
+  (``PROXY_UPSTREAM_TIMEOUT_S``, checked by one watchdog for all requests), not counted while the
+  client is the slow side; idle keep-alive connections are dropped after ``IDLE_TIMEOUT_S``.
 * A connection the replica closed between requests (vLLM's uvicorn closes idle keep-alive
   connections after 5 s): dropped when the close is seen, and when the close races the next
   request (nothing of a response arrived on a reused connection), that request is sent once more
@@ -25,11 +23,9 @@ What it handles, because real replicas do all of it:
   socket stops being read until the client side has taken the buffer (the ASGI server's
   ``send`` waits while the client's socket buffer is full), so a slow client slows its replica
   stream instead of growing the proxy's memory.
-* TLS to https replicas with the same SSL context as every other client (proxy/upstream.py's
-  ``tls_verify``: the CA bundle, or the explicit insecure opt-out).
-* Failures classified for the retry rule as proxy/upstream.py classifies httpx's: nothing sent
-  (refused, DNS, connect timeout, TLS handshake), connection lost or garbled before or during
-  the response, silent too long; an unreachable replica is worded by the same helper.
+* TLS with the same SSL context as every other client (proxy/upstream.py's ``tls_verify``).
+* Failures classified for the retry rule as proxy/upstream.py classifies httpx's, an
+  unreachable replica worded by the same helper.
 
 No task and no closure per request: a request is one ``transport.write`` and one future per
 wait. Each connection keeps one httptools parser for all its responses (llhttp frames the next
@@ -402,26 +398,22 @@ class LeanPool:
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.idle_timeout = idle_timeout
-        if ssl_context is False:
-            context = ssl.create_default_context()
-            context.check_hostname = False
-            context.verify_mode = ssl.CERT_NONE
-            self.ssl: ssl.SSLContext | None = context
-        elif ssl_context is True:
-            self.ssl = ssl.create_default_context()
-        else:
-            self.ssl = ssl_context
+        if isinstance(ssl_context, bool):  # False: PROXY_UPSTREAM_INSECURE
+            verify, ssl_context = ssl_context, ssl.create_default_context()
+            if not verify:
+                ssl_context.check_hostname = False
+                ssl_context.verify_mode = ssl.CERT_NONE
+        self.ssl = ssl_context
         self.fixed = _header_lines(fixed_headers)
         self.origins: dict[str, Origin] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self.closing = False
         # Read timeouts: one watchdog for every reply in flight rather than a timer armed and
-        # cancelled per request. It looks every
-        # quarter of the timeout, at most every second, so silence is cut off between
-        # read_timeout and read_timeout + that period (900 s + 1 s by default). It walks the
-        # open connections (registered once each, when opened) rather than a set of replies that
-        # every request would join and leave: a few hundred connections a second cost less
-        # than an add and a discard per request.
+        # cancelled per request. It looks every quarter of the timeout, at most every second, so
+        # silence is cut off between read_timeout and read_timeout + that period (900 s + 1 s by
+        # default). It walks the open connections (registered once each, when opened) rather
+        # than a set of replies that every request would join and leave: a few hundred
+        # connections a second cost less than an add and a discard per request.
         self.conns: set[Connection] = set()
         self.watch_every = min(1.0, read_timeout / 4)
         self._watchdog: asyncio.TimerHandle | None = None
