@@ -347,8 +347,7 @@ class FrontProtocol(HttpToolsProtocol):
                         await flow.drain()
             write(b"0\r\n\r\n")
         except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if not self.proxy_shutdown.cut_short(task):
+            if not self.proxy_shutdown.cut_short():
                 raise
             log.warning("a stream was cut off: the shutdown grace period ended")
             hot.keep_alive = False

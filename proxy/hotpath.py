@@ -168,7 +168,7 @@ class DataPath:
         except ProxyError as exc:
             return self.error(route, exc)
         except asyncio.CancelledError:
-            if not self.shutdown.cut_short(asyncio.current_task()):
+            if not self.shutdown.cut_short():
                 raise
             return self.error(route, self.shutdown.error())
         except Exception:
@@ -203,7 +203,7 @@ class DataPath:
         try:
             await answer(scope, receive, send)
         except asyncio.CancelledError:
-            if not self.shutdown.cut_short(asyncio.current_task()):
+            if not self.shutdown.cut_short():
                 raise
             log.warning("a stream was cut off: the shutdown grace period ended")
 

@@ -67,9 +67,10 @@ class Shutdown:
             self._cut.add(task)
             task.cancel()
 
-    def cut_short(self, task: asyncio.Task[Any] | None) -> bool:
-        """Whether ``task``'s cancellation is the end of the grace period (then it is taken
-        back: the request is answered instead of torn down)."""
+    def cut_short(self) -> bool:
+        """Whether the current task's cancellation is the end of the grace period (then it is
+        taken back: the request is answered instead of torn down). Called where it is caught."""
+        task = asyncio.current_task()
         if task is None or task not in self._cut:
             return False
         self._cut.discard(task)
@@ -97,7 +98,7 @@ class Shutdown:
         try:
             await app(scope, receive, tracking)
         except asyncio.CancelledError:
-            if not self.cut_short(asyncio.current_task()):
+            if not self.cut_short():
                 raise
             if not started:
                 status, headers, body = error_response_parts(self.error())
