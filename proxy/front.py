@@ -5,34 +5,29 @@ Why. Per request, uvicorn's ASGI interface builds a ``RequestResponseCycle``, an
 coroutine call: several times the CPU of the same relay written as protocol callbacks, on the one
 route that carries every rollout (docs/decisions/front-protocol.md has the figures).
 
-What. ``FrontProtocol`` is uvicorn's own httptools protocol (``http=`` accepts a protocol class)
-with three parser callbacks taken over for ``POST /v1/completions`` and
-``POST /v1/chat/completions`` when the request line names them exactly: the head is checked by
-the same guard as ever, the body is collected under the same limit, and one task runs
-``DataPath.respond`` (guard -> parse -> route -> relay, proxy/hotpath.py) and writes the answer
-straight to the transport: one write for a buffered answer, chunked framing for a stream.
-uvicorn's ASGI scope is built only for the requests that go its way (``on_message_begin``).
-Everything else -- other routes, a query string, ``Expect: 100-continue``, an upgrade, a request
-pipelined behind another -- goes to uvicorn unchanged, and so to FastAPI (or ``ProxyApp``'s own
-ASGI data path, which answers exactly the same).
+What. ``FrontProtocol`` is uvicorn's httptools protocol (``http=`` accepts a protocol class) with
+its parser callbacks taken over for ``POST /v1/completions`` and ``POST /v1/chat/completions``
+when the request line names them exactly: one task runs ``DataPath.respond`` (proxy/hotpath.py)
+and writes the answer straight to the transport, in one write or chunked for a stream. Everything
+else -- other routes, a query string, ``Expect: 100-continue``, an upgrade, a request pipelined
+behind another -- goes to uvicorn unchanged, and so to FastAPI (or ``ProxyApp``'s own ASGI data
+path, which answers exactly the same).
 
-Behaviour kept from the ASGI path: keys, header/body limits (413 closes the connection, as the
+Kept from uvicorn and the ASGI path: keys, header/body limits (413 closes the connection, as the
 rest of the body is not wanted), token masking, routing, retries, ``X-Proxy-Replica``,
-``X-Request-Id``, metrics, logs, HTTP/1.0 and ``Connection: close``, keep-alive timeout, the
+``X-Request-Id``, metrics, logs, HTTP/1.0 and ``Connection: close``, the keep-alive timeout, the
 server's ``date`` header, graceful shutdown (the request is registered like every other; a
-connection with a request in flight is closed once it is answered). One deliberate difference:
-a client that disconnects cancels its request, which closes the upstream connection, so vLLM
-aborts the generation instead of finishing it for nobody (the ASGI path only did so for streams).
-Requests on one connection are answered in order: one pipelined behind a completion in flight
-waits in uvicorn's own pipeline queue.
+connection with a request in flight is closed once it is answered), and answers in order on a
+connection (a request pipelined behind a completion waits in uvicorn's own queue). One deliberate
+difference: a client that disconnects cancels its request, which closes the upstream connection,
+so vLLM aborts the generation instead of finishing it for nobody (the ASGI path does so only for
+streams).
 
 Keep-alive. uvicorn arms a ``call_later`` timer each time a connection falls idle and cancels it
-when the next request's first bytes arrive: a timer armed and cancelled per request.
-``FrontProtocol`` notes when a connection fell idle instead, and one ``IdleSweep`` per server closes
-every connection idle longer than ``timeout_keep_alive``: closed between that timeout and an eighth
-of it later (75-84 s with the proxy's 75 s), never earlier, which is what the timeout is for
-(clients close first). One sweep costs less CPU per request than a timer per request
-(bench/results/overhead_profile.md).
+when the next request arrives; ``FrontProtocol`` notes when a connection fell idle instead, and
+one ``IdleSweep`` per server closes the connections idle longer than ``timeout_keep_alive``, never
+earlier, which is what the timeout is for (clients close first). One sweep costs less CPU per
+request than a timer per request (bench/results/overhead_profile.md).
 """
 
 from __future__ import annotations
@@ -142,8 +137,8 @@ class FrontProtocol(HttpToolsProtocol):
         self.hot: _Hot | None = None  # the completion being read or answered
         self.reading_hot = False  # the parser's current message is ``hot``
         self.hot_task: asyncio.Task[None] | None = None
-        # When this idle keep-alive connection is closed (loop time); None while a request is
-        # being read or answered. Replaces uvicorn's per-request timer (module docstring).
+        # When this idle connection is closed (loop time); None while a request is being read
+        # or answered. Replaces uvicorn's per-request timer (module docstring).
         self.idle_deadline: float | None = None
         self.idle_sweep: IdleSweep | None = None
         # uvicorn's default headers (date, server) as the bytes of an answer's head, and the

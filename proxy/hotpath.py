@@ -1,19 +1,16 @@
-"""The front door: ``POST /v1/completions`` and ``POST /v1/chat/completions`` served straight from
-the server's ASGI call, everything else handed to FastAPI.
+"""``DataPath``, a completion's way from guard to answer, and ``ProxyApp``: the FastAPI app whose
+``__call__`` hands ``POST /v1/completions`` and ``POST /v1/chat/completions`` straight to
+``DataPath.serve``, and everything else (control plane, probes, admin routes, the OpenAPI
+schema) to FastAPI.
 
-Every rollout crosses the proxy, so its CPU per request is the proxy's cost. Under rollout
-traffic FastAPI's stack dominates the profile of a completion even when its routing is skipped:
-its ServerError, ExceptionTelemetry and BodyLimit middlewares and the security middleware's send
-wrapper run on every request. ``ProxyApp``
-is the FastAPI application, but its ``__call__`` looks at two strings first: a completion goes to
-``DataPath.serve`` with nothing in between; the control plane, probes, admin routes and the
-OpenAPI schema stay FastAPI's.
-
-``DataPath.serve`` applies exactly what the stack applied: the security guard (header size,
-canonical path, key, declared and actual body size; proxy/security/guard.py), parsing and prompt
-limits, routing and retries (proxy/dataplane.py), the upstream token masked out of answers, the
-same OpenAI-shaped, redacted errors and the same metrics. The request's way, file by file:
-hotpath (guard, parse) -> dataplane (route, retry) -> relay/pool (upstream) -> dataplane (answer).
+Why. Every rollout crosses the proxy, so its CPU per request is the proxy's cost, and FastAPI's
+stack dominates the profile of a completion even when its routing is skipped: its ServerError,
+ExceptionTelemetry and BodyLimit middlewares and the security middleware's send wrapper run on
+every request. ``DataPath`` applies exactly what the stack applied: the security guard (header
+size, canonical path, key, declared and actual body size; proxy/security/guard.py), parsing and
+prompt limits, routing and retries, the upstream token masked out of answers, the same
+OpenAI-shaped, redacted errors and the same metrics. The request's way, file by file: hotpath
+(guard, parse) -> dataplane (route, retry) -> relay/pool (upstream) -> dataplane (answer).
 """
 
 from __future__ import annotations
