@@ -86,8 +86,7 @@ def _relay_headers(
 
 
 _RELAYED = tuple((name, name.encode("latin-1")) for name in RELAYED_HEADERS)
-# x-proxy-replica's value and the metrics' replica label for the first 64 replica indices, made
-# once.
+# x-proxy-replica's value and the metrics' replica label for replicas 0-63, made once.
 _REPLICA_LABELS = [b"%d" % i for i in range(64)]
 _LABELS = [str(i) for i in range(64)]
 
@@ -130,12 +129,6 @@ def completion_token_ids(content: bytes) -> list[int] | None:
         if isinstance(generated, list) and generated:
             return generated
     return None
-
-
-def _lost_adapter(reply: Reply, model: str) -> bool:
-    return (
-        reply.status == 404 and b"does not exist" in reply.body and model.encode() in (reply.body)
-    )
 
 
 class _Request:
@@ -312,7 +305,12 @@ class DataPlane:
         (``_ANSWER``)."""
         status = reply.status
         model = request.key.model
-        if request.lora_path is not None and _lost_adapter(reply, model):
+        if (  # a 404 for the adapter: the replica restarted without it
+            request.lora_path is not None
+            and status == 404
+            and b"does not exist" in reply.body
+            and model.encode() in reply.body
+        ):
             replica.adapters.pop(model, None)
             if replica.status is Status.READY:
                 replica.status = Status.RECONCILING
