@@ -397,13 +397,6 @@ class DataPlane:
             # A malformed answer is the client's to see; routing just learns nothing from it.
             log.debug("could not index a completion: %s", exc)
 
-    def stream_finished(self, stream: RelayedStream) -> None:
-        stream.replica.in_flight -= 1
-        upstream_s = time.perf_counter() - stream.sent_at
-        self.metrics.answered(
-            stream.route, str(stream.replica.index), stream.reply.status, upstream_s, stream.routed
-        )
-
 
 class RelayedBody(Response):
     """A buffered upstream answer sent as two ASGI messages. Starlette's own ``Response``
@@ -477,9 +470,12 @@ class RelayedStream(Response):
             yield chunk if guard is None else guard.mask_body(chunk)
 
     async def finish(self) -> None:
-        """Close the upstream and release the in-flight count (however the stream ended)."""
+        """Close the upstream, release the in-flight count, count the answer: however it ended."""
         await self.reply.close()
-        self.plane.stream_finished(self)
+        self.replica.in_flight -= 1
+        upstream_s = time.perf_counter() - self.sent_at
+        label = str(self.replica.index)
+        self.plane.metrics.answered(self.route, label, self.reply.status, upstream_s, self.routed)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         task = asyncio.current_task()
