@@ -59,6 +59,9 @@ HASH_REFUTE_AFTER_BLOCKS = 256
 # Only blocks in accelerator memory serve prefix hits for routing; vLLM tags them "GPU" (or omits
 # the field on older versions). Offloaded tiers ("CPU", connectors) are ignored.
 ROUTED_MEDIA = (None, "GPU")
+# What msgpack decodes an array to, built once: an inline ``list | tuple`` builds a union at
+# every isinstance, several times the check's own cost on the per-event path.
+_ARRAY = (list, tuple)
 
 
 class MalformedBatch(ValueError):
@@ -90,26 +93,11 @@ class BlockEvent(Protocol):
 def _block_key(value: Any) -> int:
     """A block key as the view stores it: vLLM sends uint64 ints (the default) or, with
     ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``, the digest bytes (low 64 bits, big-endian)."""
-    if isinstance(value, bool):
-        raise MalformedBatch("a block hash is a boolean")
-    if isinstance(value, int):
-        if not 0 <= value <= _MASK64:
-            raise MalformedBatch(f"block hash {value} is not a uint64")
+    if type(value) is int and 0 <= value <= _MASK64:  # a bool is no block hash
         return value
     if isinstance(value, bytes | bytearray) and len(value) >= 8:
         return int.from_bytes(value, "big") & _MASK64
-    raise MalformedBatch(f"a block hash is a {type(value).__name__}, not an int")
-
-
-def _keys(value: Any) -> tuple[int, ...]:
-    # vLLM sends one BlockRemoved per evicted block: the single key is checked inline.
-    if type(value) is list and len(value) == 1:
-        key = value[0]
-        if type(key) is int and 0 <= key <= _MASK64:
-            return (key,)
-    if not isinstance(value, list | tuple):
-        raise MalformedBatch("block_hashes is not a list")
-    return tuple(_block_key(v) for v in value)
+    raise MalformedBatch("a block hash is neither a uint64 nor a digest of 8+ bytes")
 
 
 # Positional layouts of older vLLM versions (array_like events: tag first, then the fields).
@@ -125,7 +113,7 @@ def parse_event(raw: Any) -> KvEvent | None:
     if isinstance(raw, dict):
         kind = raw.get("type")
         fields = raw
-    elif isinstance(raw, list | tuple) and raw and isinstance(raw[0], str):
+    elif isinstance(raw, _ARRAY) and raw and isinstance(raw[0], str):
         kind = raw[0]
         fields = dict(zip(_POSITIONAL.get(kind, ()), raw[1:], strict=False))
     else:
@@ -136,9 +124,11 @@ def parse_event(raw: Any) -> KvEvent | None:
         return KvEvent(CLEARED)
     if kind not in (STORED, REMOVED):
         return None
-    if "block_hashes" not in fields:
-        raise MalformedBatch(f"{kind} without block_hashes")
-    keys = _keys(fields["block_hashes"])
+    hashes = fields.get("block_hashes")
+    if not isinstance(hashes, _ARRAY):
+        raise MalformedBatch(f"{kind}'s block_hashes is not a list")
+    # vLLM sends one BlockRemoved per evicted block: a single key skips building a map.
+    keys = (_block_key(hashes[0]),) if len(hashes) == 1 else tuple(map(_block_key, hashes))
     if fields.get("medium") not in ROUTED_MEDIA:
         return None
     return _new_tuple(KvEvent, (kind, keys))
@@ -149,7 +139,7 @@ def batch_fields(payload: Any) -> tuple[Any, Any] | None:
     or ``{"ts", "events", "data_parallel_rank"}`` (map-encoded); None for neither."""
     if isinstance(payload, dict):
         return payload.get("ts"), payload.get("events")
-    if isinstance(payload, list | tuple) and len(payload) >= 2:
+    if isinstance(payload, _ARRAY) and len(payload) >= 2:
         return payload[0], payload[1]
     return None
 
@@ -160,7 +150,7 @@ def root_block(payload: Any) -> tuple[list[int], int] | None:
     nothing but the replicas' hash algorithm and seed, so the proxy can check its own hashes
     against it. None when the batch has no such block (or is malformed)."""
     fields = batch_fields(payload)
-    if fields is None or not isinstance(fields[1], list | tuple):
+    if fields is None or not isinstance(fields[1], _ARRAY):
         return None
     for e in fields[1]:
         if not isinstance(e, dict) or e.get("type") != STORED:
@@ -189,10 +179,8 @@ def root_block(payload: Any) -> tuple[list[int], int] | None:
 def parse_batch(payload: Any) -> list[KvEvent]:
     """The routed events of one decoded batch (``batch_fields``). Raises MalformedBatch."""
     fields = batch_fields(payload)
-    if fields is None:
-        raise MalformedBatch(f"a batch is a {type(payload).__name__}, not [ts, events, rank]")
-    if not isinstance(fields[1], list | tuple):
-        raise MalformedBatch("a batch's events are not a list")
+    if fields is None or not isinstance(fields[1], _ARRAY):
+        raise MalformedBatch("a batch is not [ts, events, rank] with a list of events")
     parsed = (parse_event(e) for e in fields[1])
     return [e for e in parsed if e is not None]
 
