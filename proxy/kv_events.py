@@ -252,7 +252,14 @@ class ReplicaSubscriber:
         else:
             view.apply_events(seq, typed[1])
         if view.hashes_match is not True and self._hasher is not None:
-            self._check_hashes(payload)
+            # One sha256 per batch until the hashes are confirmed: the proxy's exact hash of a
+            # base-model root block's tokens against the key the replica reported for it.
+            root = root_block(payload)
+            if root is not None:
+                tokens, reported = root
+                hasher = self._hasher()
+                if hasher.mode == "exact" and len(tokens) == hasher.block_size:
+                    view.hashes_match = hasher.hash_tokens(tokens, Namespace("")) == [reported]
         if view.hashes_match is False and not self._mismatch_logged:
             # Set by a root block here or by unconfirmed predictions while routing (kv_view.py).
             self._mismatch_logged = True
@@ -265,19 +272,6 @@ class ReplicaSubscriber:
         ts = batch_time(payload) if typed is None else typed[0]
         if ts is not None:
             self.lag_s = max(0.0, time.time() - ts)
-
-    def _check_hashes(self, payload: Any) -> None:
-        """Compare a base-model root block's reported key with the proxy's exact hash of its
-        tokens (one sha256, until the hashes are confirmed: ``ReplicaView.hashes_match``)."""
-        assert self._hasher is not None
-        root = root_block(payload)
-        if root is None:
-            return
-        tokens, reported = root
-        hasher = self._hasher()
-        if hasher.mode != "exact" or len(tokens) != hasher.block_size:
-            return
-        self.view.hashes_match = hasher.hash_tokens(tokens, Namespace("")) == [reported]
 
     async def _replay(self, start: int, until: int) -> None:
         """Ask the replica's replay socket for batches ``start..until-1`` and apply them (vLLM
@@ -481,9 +475,6 @@ class KvEventsCollector(Collector):
                 ("misses", hasher.memo.misses, "Prompt blocks hashed with vLLM's function."),
             ):
                 yield CounterMetricFamily(p + "exact_memo_" + name, doc, value)
-        yield from self._predictions()
-
-    def _predictions(self) -> Iterator[Metric]:
         p = "rollout_proxy_kv_prediction_"
         results = CounterMetricFamily(
             p + "requests",
