@@ -546,37 +546,22 @@ class PreciseMatcher:
         self._reach = reach
         self._live_mask = live
         self._keys = event_keys
-        if live and known:
-            home = self._rollout_home(index, values, replicas, reach, common)
-            if home is not None:
-                return home
-        return reach, common
-
-    @staticmethod
-    def _rollout_home(
-        index: PrefixIndex,
-        values: Sequence[int],
-        replicas: Sequence[int],
-        views_reach: dict[int, int],
-        views_common: int,
-    ) -> tuple[dict[int, int], int] | None:
-        """When the index credits a home (the replica with the longest specific prefix) that
-        no view shows holding less than another: the index's own scoring if the views leave
-        nothing specific anywhere, else the views' reach with the home credited the index's.
-        None: the views' answer stands. Why: docs/kv-events.md, "When the views find nothing
-        specific"."""
-        reach, common = index.reach(values, len(values), replicas)
-        best = max(reach.values(), default=0)
-        if best <= common:
-            return None
-        if not any(d > views_common for d in views_reach.values()):
+        if not (live and known):
             return reach, common
-        home = max((r for r in replicas if reach[r] == best), key=views_reach.__getitem__)
-        if views_reach[home] < max(views_reach.values()) or views_reach[home] >= best:
-            return None
-        credited = dict(views_reach)
-        credited[home] = best
-        return credited, views_common
+        # When the index credits a home (the replica with the longest specific prefix) that no
+        # view shows holding less than another: the index's own scoring if the views leave
+        # nothing specific anywhere, else the views' reach with the home credited the index's.
+        # Why: docs/kv-events.md, "When the views find nothing specific".
+        home_reach, home_common = index.reach(values, known, replicas)
+        best = max(home_reach.values(), default=0)
+        if best <= home_common:
+            return reach, common
+        if not any(d > common for d in reach.values()):
+            return home_reach, home_common
+        home = max((r for r in replicas if home_reach[r] == best), key=reach.__getitem__)
+        if reach[home] < max(reach.values()) or reach[home] >= best:
+            return reach, common
+        return {**reach, home: best}, common
 
     def observe_output(self, tokens: int) -> None:
         """A replica answered with ``tokens`` generated: the mean of the last ~OUTPUT_WINDOW
