@@ -105,14 +105,11 @@ def decode(payload: bytes) -> Any:
 
 
 def _typed_batch_decoder() -> Callable[[bytes], Any] | None:
-    """msgspec's typed msgpack decoder for vLLM's batches (``KVEventBatch``, an array
-    ``[ts, events, rank]`` of maps tagged by ``"type"``), or None without msgspec.
-
-    Its structs declare only the block hashes and the medium, so msgspec skips every other
-    field (a BlockStored's token ids above all) and the view reads them as they are (``kind``,
-    ``keys``): bench/runners/run_kv_events_micro.py measures it against msgpack plus
-    ``parse_batch``. Whatever the schema refuses raises, and the caller takes the generic
-    path, which decides the same. Loaded by name: msgspec is optional."""
+    """msgspec's typed decoder for vLLM's ``KVEventBatch`` (``[ts, events, rank]``, events
+    tagged by ``"type"``), or None without msgspec (optional: loaded by name). Its structs
+    declare only the block hashes and the medium, so msgspec skips every other field (a
+    BlockStored's token ids above all) and the view reads them as they are (``kind``, ``keys``):
+    bench/runners/run_kv_events_micro.py measures it against msgpack plus ``parse_batch``."""
     try:
         msgspec = importlib.import_module("msgspec")
     except ImportError:
@@ -145,7 +142,8 @@ _TYPED_DECODE = _typed_batch_decoder()
 
 def decode_typed(payload: bytes) -> tuple[float, list[BlockEvent]] | None:
     """(batch time, the events routing uses) through msgspec's typed decoder; None when msgspec
-    is absent or the batch is not in vLLM's usual shape (then the generic path takes it)."""
+    is absent or the schema refuses the batch (then the generic path, which decides the same,
+    takes it)."""
     if _TYPED_DECODE is None:
         return None
     try:
