@@ -44,7 +44,9 @@ def parse_models(payload: Any) -> tuple[str | None, int | None, dict[str, str]]:
         elif base is None:
             base = entry["id"]
             mml = entry.get("max_model_len")
-            max_len = mml if isinstance(mml, int) else None
+            # The replica's word: anything but a positive whole number is unknown (True would
+            # read as 1 and refuse every prompt as too long).
+            max_len = mml if type(mml) is int and mml > 0 else None
     return base, max_len, adapters
 
 

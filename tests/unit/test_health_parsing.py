@@ -56,6 +56,14 @@ def test_parse_models_rejects_or_skips_garbage(payload) -> None:
     assert base is None and adapters == {}
 
 
+@pytest.mark.parametrize("bad", [True, False, 0, -4096, 4096.0, "4096", None, [4096]])
+def test_an_insane_max_model_len_reads_as_unknown(bad: object) -> None:
+    """Unknown, not a limit: it sets the proxy's prompt-length bound (PROXY_MAX_PROMPT_TOKENS)."""
+    payload = {"data": [{"id": "base", "max_model_len": bad}]}
+    assert parse_models(payload) == ("base", None, {})
+    assert parse_models({"data": [{"id": "base", "max_model_len": 4096}]})[1] == 4096
+
+
 def _cache_info(**labels: str) -> str:
     body = ",".join(f'{k}="{v}"' for k, v in labels.items())
     return f"# TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{{{body}}} 1.0\n"
