@@ -10,7 +10,7 @@ every request. ``DataPath`` applies exactly what the stack applied: the security
 size, canonical path, key, declared and actual body size; proxy/security/guard.py), parsing and
 prompt limits, routing and retries, the upstream token masked out of answers, the same
 OpenAI-shaped, redacted errors and the same metrics. The request's way, file by file: hotpath
-(guard, parse) -> dataplane (route, retry) -> relay/pool (upstream) -> dataplane (answer).
+(guard, parse) -> dataplane (route, retry) -> pool (upstream) -> dataplane (answer).
 """
 
 from __future__ import annotations
