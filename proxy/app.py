@@ -30,7 +30,7 @@ from proxy.core.hashing import make_hasher
 from proxy.core.policy import Policy, make_policy
 from proxy.core.prefix_index import PrefixIndex
 from proxy.core.router import Router
-from proxy.dataplane import DataPlane
+from proxy.dataplane import DataPlane, generated_ids_finder
 from proxy.errors import ConfigError, InvalidRequest, NotSupported, ProxyError, UpstreamUnavailable
 from proxy.health import HealthMonitor
 from proxy.hotpath import HOT_ROUTES, DataPath, ProxyApp, parse_json
@@ -167,7 +167,17 @@ def build_runtime(
             fleet, reconciler.changes, model, settings.adapter_wait_s, reconciler.clock
         )
 
-    data = DataPlane(fleet, router, relay, metrics, reconciler.eject, guard, kv_events, wait_for)
+    data = DataPlane(
+        fleet,
+        router,
+        relay,
+        metrics,
+        reconciler.eject,
+        guard,
+        kv_events,
+        wait_for,
+        generated_ids_finder(native.module_for(use_native)),
+    )
     return Runtime(
         settings=settings,
         metrics=metrics,

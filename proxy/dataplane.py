@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -131,6 +132,23 @@ def completion_token_ids(content: bytes) -> list[int] | None:
     return None
 
 
+def generated_ids_finder(
+    module: ModuleType | None,
+) -> Callable[[bytes], Sequence[int] | None]:
+    """``completion_token_ids``, run by the C extension when ``module`` is it: its
+    ``completion_ids`` packs the array from the bytes (a rollout's hundreds or thousands of
+    ids, never made into Python ints) and leaves every other answer to the reference."""
+    if module is None:
+        return completion_token_ids
+    packed_ids: Callable[[bytes], Sequence[int] | None] = module.completion_ids
+
+    def find(content: bytes) -> Sequence[int] | None:
+        ids = packed_ids(content)
+        return ids if ids is not None else completion_token_ids(content)
+
+    return find
+
+
 class _Request:
     """One completion on its way through ``DataPlane.forward``: what every attempt re-sends."""
 
@@ -169,6 +187,7 @@ class DataPlane:
         guard: Guard | None = None,
         kv_events: KvEvents | None = None,
         wait_for_replica: Callable[[str], Awaitable[None]] | None = None,
+        find_generated: Callable[[bytes], Sequence[int] | None] = completion_token_ids,
     ) -> None:
         # The guard masks the upstream token should a replica ever echo it (the data path runs
         # outside the security middleware that does this for FastAPI's routes).
@@ -182,6 +201,8 @@ class DataPlane:
         # (proxy.reconciler.wait_for_replica, PROXY_ADAPTER_WAIT_S) instead of a 503 at once.
         self.wait_for_replica = wait_for_replica
         self.kv_events = kv_events  # PROXY_KV_EVENTS: checks hit predictions
+        # A completion answer's generated ids (generated_ids_finder: in C where it runs).
+        self.find_generated = find_generated
         # Why no request can be routed (the replicas disagree on block size or hash algorithm;
         # set by app.configure_routing), or None.
         self.routing_error: str | None = None
@@ -390,7 +411,7 @@ class DataPlane:
         """Index ``prompt + completion`` on the replica that generated it (TRL always asks for
         ``return_token_ids``; without them there is nothing to remember)."""
         try:
-            generated = completion_token_ids(content)
+            generated = self.find_generated(content)
             if generated:
                 self.router.record_completion(key, decision, generated, lora_path)
         except (orjson.JSONDecodeError, AttributeError, TypeError, OverflowError) as exc:

@@ -4,8 +4,9 @@
  * Only primitives with test vectors live here; every routing decision is the Python in
  * proxy/core/. Each function has a pure-Python reference the tests compare it with
  * (tests/unit/test_native.py on random and adversarial bodies, tests/unit/test_vllm_chain_native.py
- * on vLLM's vectors): split_prompt (hotpath/extract.py's orjson + array('I')), chain and
- * extend_chain (hashing.py's FastHasher), vllm_chain (hashing.py's VllmHasher.digests).
+ * on vLLM's vectors): split_prompt (hotpath/extract.py's orjson + array('I')), completion_ids
+ * (dataplane.py's completion_token_ids), chain and extend_chain (hashing.py's FastHasher),
+ * vllm_chain (hashing.py's VllmHasher.digests).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -18,6 +19,7 @@
 /* array.array, looked up once at import (the ids are returned as array('I'), what the rest of
  * the proxy already takes for packed ids). */
 static PyObject *array_type = NULL;
+static PyObject *typecode_I = NULL; /* "I", made once: no format string parsed per call */
 
 #define MAX_TOKEN_ID 0xFFFFFFFFull
 
@@ -89,45 +91,103 @@ typedef struct {
     Py_ssize_t cap;
 } IdBuffer;
 
-static int push_id(IdBuffer *buf, uint32_t id) {
-    if (buf->len == buf->cap) {
-        Py_ssize_t cap = buf->cap ? buf->cap * 2 : 1024;
-        uint32_t *grown = PyMem_Realloc(buf->ids, (size_t)cap * sizeof(uint32_t));
-        if (grown == NULL) return -1;
-        buf->ids = grown;
-        buf->cap = cap;
-    }
-    buf->ids[buf->len++] = id;
+static int grow(IdBuffer *buf) {
+    Py_ssize_t cap = buf->cap ? buf->cap * 2 : 1024;
+    uint32_t *grown = PyMem_Realloc(buf->ids, (size_t)cap * sizeof(uint32_t));
+    if (grown == NULL) return -1;
+    buf->ids = grown;
+    buf->cap = cap;
     return 0;
 }
 
+/* Reads 8 bytes as a little-endian word, the order the digit tricks below assume. */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#define DIGIT_WORDS 1
+static inline uint64_t load8(const unsigned char *p) {
+    uint64_t x;
+    memcpy(&x, p, 8);
+    return x;
+}
+
+/* Where the first non-digit byte of the word is (0-7), or 8 when all eight are digits. A byte is
+ * a digit when it is neither below '0' (the subtraction sets its top bit) nor above '9' (the
+ * addition does); carries and borrows only run from lower bytes to higher ones, and every byte
+ * below the first non-digit is a digit, which neither carries nor borrows, so that byte's own
+ * top bit is exact (later bytes may be wrong, and are not read). */
+static inline int digit_run(uint64_t x) {
+    uint64_t odd = ((x + 0x4646464646464646ull) | (x - 0x3030303030303030ull)) & 0x8080808080808080ull;
+    return odd ? __builtin_ctzll(odd) >> 3 : 8;
+}
+
+/* The value of the first `len` (1-8) digits of the word: shifted up so that they are its last
+ * bytes (the ones shifted in are zero digits), then combined pairwise (2, 4, 8 digits). */
+static inline uint64_t digits_value(uint64_t x, int len) {
+    x = (x << (8 * (8 - len))) & 0x0F0F0F0F0F0F0F0Full;
+    x = (x * 10 + (x >> 8)) & 0x00FF00FF00FF00FFull;
+    x = (x * 100 + (x >> 16)) & 0x0000FFFF0000FFFFull;
+    return (x * 10000 + (x >> 32)) & 0xFFFFFFFFull;
+}
+#else
+#define DIGIT_WORDS 0
+#endif
+
 /* s[i] is '['. Parses a strict, non-empty array of integers in [0, MAX_TOKEN_ID] into buf;
- * returns the index after ']', -1 when the array is anything else, -2 on memory error. */
+ * returns the index after ']', -1 when the array is anything else, -2 on memory error.
+ *
+ * A number's digits are read a word at a time where 8 bytes remain (token ids have 1-7 digits);
+ * a run of 8 or more, and the body's last bytes, take the byte loop. */
 static Py_ssize_t scan_ids(const unsigned char *s, Py_ssize_t i, Py_ssize_t n, IdBuffer *buf) {
     i = skip_ws(s, i + 1, n);
     for (;;) {
         if (i >= n || s[i] < '0' || s[i] > '9') return -1; /* also: empty array, '-', nested */
         uint64_t value = 0;
         Py_ssize_t start = i;
-        if (s[i] == '0') {
-            i++; /* JSON has no leading zeros: "01" falls to the reference (an error there) */
-        } else {
+        int len = 8;
+#if DIGIT_WORDS
+        if (n - i >= 8) {
+            uint64_t word = load8(s + i);
+            len = digit_run(word);
+            if (len < 8) {
+                value = digits_value(word, len);
+                i += len;
+            }
+        }
+#endif
+        if (len == 8) {
             /* 10 digits hold every id up to 4,294,967,295; an 11th is out of range anyway */
             while (i < n && s[i] >= '0' && s[i] <= '9' && i - start < 11) {
                 value = value * 10 + (uint64_t)(s[i] - '0');
                 i++;
             }
         }
-        if (value > MAX_TOKEN_ID) return -1;
+        /* JSON has no leading zeros: "01" falls to the reference (an error there) */
+        if (value > MAX_TOKEN_ID || (s[start] == '0' && i - start > 1)) return -1;
         if (i < n && ((s[i] >= '0' && s[i] <= '9') || s[i] == '.' || s[i] == 'e' || s[i] == 'E'))
-            return -1; /* a fraction, an exponent, a leading zero or too many digits */
-        if (push_id(buf, (uint32_t)value) < 0) return -2;
+            return -1; /* a fraction, an exponent or too many digits */
+        if (buf->len == buf->cap && grow(buf) < 0) return -2;
+        buf->ids[buf->len++] = (uint32_t)value;
+        if (i < n && s[i] == ',') { /* the usual separator, compact or with one space */
+            i++;
+            if (i < n && s[i] == ' ') i++;
+            i = skip_ws(s, i, n);
+            continue;
+        }
         i = skip_ws(s, i, n);
         if (i >= n) return -1;
         if (s[i] == ']') return i + 1;
         if (s[i] != ',') return -1;
         i = skip_ws(s, i + 1, n);
     }
+}
+
+/* Packs buf's ids into a new array('I'). */
+static PyObject *packed_array(const IdBuffer *buf) {
+    PyObject *packed = PyBytes_FromStringAndSize((const char *)buf->ids,
+                                                 buf->len * (Py_ssize_t)sizeof(uint32_t));
+    if (packed == NULL) return NULL;
+    PyObject *array = PyObject_CallFunctionObjArgs(array_type, typecode_I, packed, NULL);
+    Py_DECREF(packed);
+    return array;
 }
 
 /* split_prompt(body) -> (array('I') ids, rest) | None
@@ -205,10 +265,7 @@ static PyObject *split_prompt(PyObject *self, PyObject *arg) {
         memcpy(out, s, (size_t)prompt_start);
         out[prompt_start] = '0';
         memcpy(out + prompt_start + 1, s + prompt_end, (size_t)(n - prompt_end));
-        PyObject *packed = PyBytes_FromStringAndSize((const char *)ids.ids,
-                                                     ids.len * (Py_ssize_t)sizeof(uint32_t));
-        PyObject *array = packed ? PyObject_CallFunction(array_type, "sO", "I", packed) : NULL;
-        Py_XDECREF(packed);
+        PyObject *array = packed_array(&ids);
         if (array == NULL) {
             Py_DECREF(rest);
             goto done;
@@ -219,6 +276,58 @@ static PyObject *split_prompt(PyObject *self, PyObject *arg) {
         goto done;
     }
 
+fallback:
+    result = Py_NewRef(Py_None);
+done:
+    PyMem_Free(ids.ids);
+    PyBuffer_Release(&view);
+    return result;
+}
+
+/* The index of the first `needle` in s[from:n], or -1. */
+static Py_ssize_t find_bytes(const unsigned char *s, Py_ssize_t from, Py_ssize_t n,
+                             const char *needle, Py_ssize_t len) {
+    while (from + len <= n) {
+        const unsigned char *hit = memchr(s + from, needle[0], (size_t)(n - len + 1 - from));
+        if (hit == NULL) return -1;
+        Py_ssize_t at = hit - s;
+        if (memcmp(hit, needle, (size_t)len) == 0) return at;
+        from = at + 1;
+    }
+    return -1;
+}
+
+/* completion_ids(answer) -> array('I') ids | None
+ *
+ * The generated ids of a one-choice completion answer (dataplane.py's completion_token_ids, the
+ * reference) packed straight from the bytes: the "token_ids" key occurs exactly once, and JSON
+ * whitespace, a colon and a strict, non-empty array of ids in [0, 2**32 - 1] follow it. Anything
+ * else returns None and the caller runs the reference, which decides (no "token_ids", several,
+ * other whitespace, floats, null, a malformed array). A completion of n tokens would otherwise
+ * become n Python ints and a list. */
+static PyObject *completion_ids(PyObject *self, PyObject *arg) {
+    static const char key[] = "\"token_ids\"";
+    const Py_ssize_t key_len = (Py_ssize_t)sizeof(key) - 1;
+    Py_buffer view;
+    if (PyObject_GetBuffer(arg, &view, PyBUF_SIMPLE) < 0) return NULL;
+    const unsigned char *s = view.buf;
+    Py_ssize_t n = view.len;
+    IdBuffer ids = {NULL, 0, 0};
+    PyObject *result = NULL;
+    Py_ssize_t at = find_bytes(s, 0, n, key, key_len);
+    if (at < 0 || find_bytes(s, at + key_len, n, key, key_len) >= 0) goto fallback;
+    Py_ssize_t i = skip_ws(s, at + key_len, n);
+    if (i >= n || s[i] != ':') goto fallback;
+    i = skip_ws(s, i + 1, n);
+    if (i >= n || s[i] != '[') goto fallback;
+    Py_ssize_t end = scan_ids(s, i, n, &ids);
+    if (end == -2) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (end < 0) goto fallback;
+    result = packed_array(&ids);
+    goto done;
 fallback:
     result = Py_NewRef(Py_None);
 done:
@@ -287,9 +396,10 @@ static int pack_ids(PyObject **items, Py_ssize_t count, uint64_t max, void *out)
 }
 
 /* extend_chain(prompt, start, completion, block_size, parent): FastHasher.extend over
- * list(prompt[start:]) + list(completion) (prompt any buffer of native uint32, e.g. array('I'))
- * without that list: the keys of the full blocks chained from `parent`, or None where the
- * reference must decide (a completion id pack_ids refuses, a prompt not whole uint32s). */
+ * list(prompt[start:]) + list(completion) (prompt any buffer of native uint32, e.g. array('I');
+ * completion an array('I') or a sequence of ints) without that list: the keys of the full blocks
+ * chained from `parent`, or None where the reference must decide (a completion id pack_ids
+ * refuses, a prompt not whole uint32s). */
 static PyObject *extend_chain(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 5) {
         PyErr_SetString(PyExc_TypeError,
@@ -306,11 +416,22 @@ static PyObject *extend_chain(PyObject *self, PyObject *const *args, Py_ssize_t 
     }
     unsigned long long parent = PyLong_AsUnsignedLongLong(args[4]);
     if (parent == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
-    PyObject *completion = PySequence_Fast(args[2], "completion must be a sequence");
-    if (completion == NULL) return NULL;
+    /* A packed completion (completion_ids' array('I')) is copied as it is; anything else is
+     * read item by item. */
+    Py_buffer packed = {0};
+    PyObject *completion = NULL;
+    if (PyObject_TypeCheck(args[2], (PyTypeObject *)array_type)) {
+        if (PyObject_GetBuffer(args[2], &packed, PyBUF_FORMAT) < 0) return NULL;
+        if (packed.itemsize != 4 || strcmp(packed.format, "I") != 0) PyBuffer_Release(&packed);
+    }
+    if (packed.obj == NULL) {
+        completion = PySequence_Fast(args[2], "completion must be a sequence");
+        if (completion == NULL) return NULL;
+    }
     Py_buffer view;
     if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) {
-        Py_DECREF(completion);
+        Py_XDECREF(completion);
+        if (packed.obj != NULL) PyBuffer_Release(&packed);
         return NULL;
     }
     PyObject *result = NULL;
@@ -318,7 +439,8 @@ static PyObject *extend_chain(PyObject *self, PyObject *const *args, Py_ssize_t 
     if (view.len % 4 != 0) goto fallback;
     Py_ssize_t prompt_len = view.len / 4;
     Py_ssize_t tail = start < prompt_len ? prompt_len - start : 0;
-    Py_ssize_t generated = PySequence_Fast_GET_SIZE(completion);
+    Py_ssize_t generated =
+        completion != NULL ? PySequence_Fast_GET_SIZE(completion) : packed.len / 4;
     Py_ssize_t total = tail + generated;
     ids = PyMem_Malloc((size_t)(total ? total : 1) * sizeof(uint32_t));
     if (ids == NULL) {
@@ -326,8 +448,11 @@ static PyObject *extend_chain(PyObject *self, PyObject *const *args, Py_ssize_t 
         goto done;
     }
     if (tail) memcpy(ids, (const char *)view.buf + start * 4, (size_t)tail * 4);
-    if (!pack_ids(PySequence_Fast_ITEMS(completion), generated, MAX_TOKEN_ID, ids + tail))
+    if (completion == NULL) {
+        if (generated) memcpy(ids + tail, packed.buf, (size_t)generated * 4);
+    } else if (!pack_ids(PySequence_Fast_ITEMS(completion), generated, MAX_TOKEN_ID, ids + tail)) {
         goto fallback;
+    }
     result = chained_keys((const char *)ids, total / block_size, (size_t)block_size * 4, parent);
     goto done;
 fallback:
@@ -335,7 +460,8 @@ fallback:
 done:
     PyMem_Free(ids);
     PyBuffer_Release(&view);
-    Py_DECREF(completion);
+    Py_XDECREF(completion);
+    if (packed.obj != NULL) PyBuffer_Release(&packed);
     return result;
 }
 
@@ -588,6 +714,8 @@ done:
 static PyMethodDef methods[] = {
     {"split_prompt", split_prompt, METH_O,
      "split_prompt(body) -> (array('I') ids, body with the prompt replaced by 0) or None"},
+    {"completion_ids", completion_ids, METH_O,
+     "completion_ids(answer) -> array('I') of the one choice's token_ids, or None"},
     {"chain", (PyCFunction)(void (*)(void))chain, METH_FASTCALL,
      "chain(data, step, seed) -> chained XXH3-64 keys of data's full step-byte blocks"},
     {"extend_chain", (PyCFunction)(void (*)(void))extend_chain, METH_FASTCALL,
@@ -609,6 +737,8 @@ PyMODINIT_FUNC PyInit__native(void) {
     array_type = PyObject_GetAttrString(array_module, "array");
     Py_DECREF(array_module);
     if (array_type == NULL) return NULL;
+    typecode_I = PyUnicode_InternFromString("I");
+    if (typecode_I == NULL) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     sha256_in_c = sha256_init();

@@ -1,10 +1,11 @@
 """Which implementation runs the pure primitives: the C extension or the pure-Python reference.
 
 ``proxy.core._native`` (proxy/core/_native.c, built by ``pip install -e .`` / ``make setup``)
-scans a token-id prompt straight from the request bytes and computes the chained block keys
-(XXH3 and vLLM's exact digests); the pure-Python path (orjson + ``array('I')`` in
-hotpath/extract, xxhash and hashlib in hashing) stays the specification, tested against the
-extension on vectors and on random and adversarial bodies. Routing decisions are Python only.
+scans a token-id prompt from the request bytes and the generated ids from the answer's, and
+computes the chained block keys (XXH3 and vLLM's exact digests); the pure-Python path (orjson +
+``array('I')`` in hotpath/extract/dataplane, xxhash and hashlib in hashing) stays the
+specification, tested against the extension on vectors and on random and adversarial bodies.
+Routing decisions are Python only.
 PROXY_NATIVE picks: ``auto`` (the extension when it is built), ``on`` (refuse to start without
 it), ``off``.
 """

@@ -26,6 +26,7 @@ from proxy.core.hashing import FastHasher, Namespace, _chain, make_hasher
 from proxy.core.policy import make_policy
 from proxy.core.prefix_index import PrefixIndex
 from proxy.core.router import Router
+from proxy.dataplane import completion_token_ids, generated_ids_finder
 from proxy.errors import ProxyError
 from proxy.hotpath import packed_key, parse_json
 
@@ -180,6 +181,35 @@ def test_anything_but_one_flat_id_array_falls_back(raw: bytes) -> None:
     assert comparable(through_native(raw)) == comparable(reference(raw))
 
 
+# A number is read 8 bytes at a time where 8 remain, byte by byte near the body's end: every id
+# and every refused number is tried at the start of a long array (the word path) and as its last
+# element (the byte path).
+IDS_OF_EVERY_WIDTH = [0, 7, 10, 99, 123, 4_567, 89_012, 151_935, 1_234_567, 12_345_678,
+                      99_999_999, 123_456_789, 1_000_000_000, 2**32 - 1]  # fmt: skip
+REFUSED_NUMBERS = ["01", "00", "007", "1.0", "1e3", "1E3", "12a", "1-", "4294967296",
+                   "99999999999", "123456789012", "-1", "+1", '1"', "1\x80", "1\xff"]  # fmt: skip
+
+
+@pytest.mark.parametrize("sep", [",", ", ", " , ", ",\n"])
+@pytest.mark.parametrize("value", IDS_OF_EVERY_WIDTH)
+def test_ids_of_every_width_scan_in_both_places(value: int, sep: str) -> None:
+    for ids in ([value, *range(1, 12)], [*range(1, 12), value], [value]):
+        array = "[" + sep.join(map(str, ids)) + "]"
+        for raw in (f'{{"prompt":{array},"model":"m"}}', f'{{"model":"m","prompt":{array}}}'):
+            parts = _native.split_prompt(raw.encode())
+            assert parts is not None
+            assert parts[0].tolist() == ids
+            assert comparable(through_native(raw.encode())) == comparable(reference(raw.encode()))
+
+
+@pytest.mark.parametrize("number", REFUSED_NUMBERS)
+def test_a_refused_number_falls_back_in_both_places(number: str) -> None:
+    for elements in ([number, *"123456789"], [*"123456789", number]):
+        raw = ('{"prompt":[' + ",".join(elements) + "]}").encode("latin-1")
+        assert _native.split_prompt(raw) is None
+        assert comparable(through_native(raw)) == comparable(reference(raw))
+
+
 def test_the_scanner_skips_nested_values_and_strings_that_look_like_prompts() -> None:
     raw = b'{"x":{"prompt":[9]},"y":["\\"prompt\\":[8]",{"a":[]}],"prompt":[7, 6],"z":-1.5e3}'
     parts = _native.split_prompt(raw)
@@ -192,6 +222,90 @@ def test_split_prompt_accepts_any_buffer_and_refuses_other_types() -> None:
     assert _native.split_prompt(memoryview(b'{"prompt":[3]}')) is not None
     with pytest.raises(TypeError):
         _native.split_prompt("{}")  # type: ignore[arg-type]
+
+
+# -- a completion's generated ids ----------------------------------------------------------------
+
+
+def found(find: Any, raw: bytes) -> Any:
+    """What a finder makes of an answer: the ids as a list, None, or the error it raises."""
+    try:
+        ids = find(raw)
+    except (orjson.JSONDecodeError, AttributeError, TypeError) as exc:
+        return type(exc).__name__
+    return None if ids is None else list(ids)
+
+
+NATIVE_FINDER = generated_ids_finder(_native)
+
+generated_values = st.one_of(
+    st.lists(token, min_size=1, max_size=80),
+    st.lists(st.one_of(token, edgy_int, st.floats(allow_nan=False), st.none()), max_size=6),
+    st.lists(st.lists(token, max_size=3), max_size=3),
+    st.none(),
+    st.just([]),
+    st.text(max_size=6),
+)
+
+
+@SETTINGS
+@given(
+    generated_values,
+    st.sampled_from([(",", ":"), (", ", ": "), (",", " : "), (",\n", ":\n")]),
+    st.booleans(),
+    st.integers(0, 2),
+)
+def test_generated_ids_are_the_references(
+    generated: Any, separators: tuple[str, str], logprobs: bool, choices: int
+) -> None:
+    """The C finder against completion_token_ids on vLLM-shaped answers: one choice or several,
+    any ids, compact or spaced JSON, logprobs before the ids or not."""
+    choice: dict[str, Any] = {"index": 0, "text": "x", "token_ids": generated}
+    if logprobs:
+        choice = {"logprobs": {"tokens": ["a"], "token_logprobs": [-0.5]}, **choice}
+    body = {"id": "cmpl-1", "choices": [choice] * choices, "usage": {"completion_tokens": 3}}
+    raw = json.dumps(body, separators=separators).encode()
+    assert found(NATIVE_FINDER, raw) == found(completion_token_ids, raw)
+
+
+ODD_ANSWERS = [
+    b"",
+    b"{}",
+    b'{"choices":[{"token_ids":[1,2]}]}',
+    b'{"choices":[{"token_ids" : [ 1 , 2 ] }]}',
+    b'{"choices":[{"token_ids":[1,2]},{"token_ids":[3]}]}',
+    b'{"choices":[{"token_ids":[]}]}',
+    b'{"choices":[{"token_ids":null}]}',
+    b'{"choices":[{"token_ids":[1,]}]}',
+    b'{"choices":[{"token_ids":[1.0]}]}',
+    b'{"choices":[{"token_ids":[01]}]}',
+    b'{"choices":[{"token_ids":[-1]}]}',
+    b'{"choices":[{"token_ids":[4294967296]}]}',
+    b'{"choices":[{"token_ids":[[1]]}]}',
+    b'{"choices":[{"token_ids"\x0b:[1]}]}',
+    b'{"choices":[{"token_ids":\x0c[1]}]}',
+    b'{"choices":[{"token_ids":[1,2]',
+    b'{"choices":[{"token_ids":[1,2',
+    b'{"choices":[{"token_ids"',
+    b'{"choices":[{"text":"\\"token_ids\\":[9]","token_ids":[1]}]}',
+    b'{"choices":[{"prompt_token_ids":[5],"token_ids":[1]}]}',
+    b'{"choices":[{"token_ids":[1]}],"token_ids":[2]}',
+    b'{"choices":"token_ids"}',
+]
+
+
+@pytest.mark.parametrize("raw", ODD_ANSWERS)
+def test_an_odd_answer_is_the_references(raw: bytes) -> None:
+    assert found(NATIVE_FINDER, raw) == found(completion_token_ids, raw)
+
+
+def test_a_flat_id_array_is_packed_in_c_and_anything_else_left_to_the_reference() -> None:
+    ids = [0, 9, 151_935, 2**32 - 1]
+    packed = _native.completion_ids(b'{"choices":[{"token_ids": [0, 9, 151935, 4294967295]}]}')
+    assert packed is not None and packed.typecode == "I" and packed.tolist() == ids
+    for raw in (b"{}", b'{"choices":[{"token_ids":null}]}', b'{"choices":[{"token_ids":[1.0]}]}'):
+        assert _native.completion_ids(raw) is None
+    assert generated_ids_finder(None) is completion_token_ids
 
 
 # -- hashing ------------------------------------------------------------------------------------
@@ -258,6 +372,20 @@ def test_a_continued_chain_is_the_references(
     packed = array("I", prompt)
     assert outcome(lambda: ours.extend_tail(parent, packed, start, completion)) == expected
     assert outcome(lambda: ref.extend_tail(parent, packed, start, completion)) == expected
+
+
+@SETTINGS
+@given(st.lists(token, max_size=90), st.integers(0, 100), st.lists(token, max_size=70))
+def test_a_packed_completion_continues_the_chain_as_its_list(
+    prompt: list[int], start: int, completion: list[int]
+) -> None:
+    """completion_ids' array('I') is copied as it is; the same ids as a list (or an array of
+    another type, read item by item) give the same keys."""
+    packed = array("I", prompt)
+    expected = _native.extend_chain(packed, start, completion, 16, 7)
+    assert expected is not None
+    assert _native.extend_chain(packed, start, array("I", completion), 16, 7) == expected
+    assert _native.extend_chain(packed, start, array("Q", completion), 16, 7) == expected
 
 
 def test_extend_chain_refuses_bad_arguments() -> None:
