@@ -60,8 +60,9 @@ from fakes.net import free_port
 DEFAULT_OUT = REPO / "bench" / "results"
 MODEL = "Qwen/Qwen2.5-Math-1.5B"
 PROMPT_TOKENS = 512
-# Completion answered by the fake backends: 16 tokens with logprobs, the shape TRL reads. Small on
-# purpose: the benchmark isolates per-request overhead from body size.
+# Completion answered by the fake backends: 16 tokens with logprobs, the shape TRL reads. Small by
+# default, so that the benchmark isolates per-request overhead from body size; --completion-tokens
+# gives a rollout-sized answer (the proxy learns every generated id).
 COMPLETION_TOKENS = 16
 
 # Workloads: one body repeated, or this many distinct prompts cycled.
@@ -338,6 +339,10 @@ def _fake_server_info() -> str:
     )
 
 
+# nginx reads a config string into a 4 KiB buffer.
+NGINX_MAX_STRING = 4000
+
+
 def _nginx_string(s: str) -> str:
     if "'" in s or "$" in s or "\\" in s:
         raise ValueError("fixed answers must not contain quotes, $ or backslashes for nginx")
@@ -359,12 +364,25 @@ def backend_conf(prefix: Path, ports: Sequence[int]) -> str:
         ("/v1/models", "application/json", _nginx_string(_fake_models())),
         ("/server_info", "application/json", _nginx_string(_fake_server_info())),
         ("/metrics", "text/plain", f'"{metrics}"'),
-        ("/v1/completions", "application/json", _nginx_string(_fixed_completion())),
     ]
     body = "\n".join(
         f"        location = {path} {{ default_type {ctype}; return 200 {answer}; }}"
         for path, ctype, answer in locations
     )
+    answer = _fixed_completion()
+    if len(answer) < NGINX_MAX_STRING:
+        body += (
+            "\n        location = /v1/completions { default_type application/json; "
+            f"return 200 {_nginx_string(answer)}; }}"
+        )
+    else:
+        # Too long for one config string: served from a file. nginx refuses POST on a static
+        # file (405) and error_page answers with the file instead, as GET (an internal redirect).
+        (prefix / "completion.json").write_text(answer)
+        body += (
+            "\n        location = /v1/completions { default_type application/json; "
+            f"alias {prefix / 'completion.json'}; error_page 405 =200 $uri; }}"
+        )
     servers = []
     for port in ports:
         servers.append(
@@ -770,7 +788,7 @@ def write_report(
         f"`repeated` sends one body, `distinct64` cycles {DISTINCT_PROMPTS} distinct prompts "
         "(sglang-router gets the same ids as one string: it answers 422 to token-id prompts). "
         f"Answer: a fixed {COMPLETION_TOKENS}-token completion with logprobs from nginx "
-        "`return 200`.\n"
+        "(`return 200`, or a file when longer than a config string).\n"
         f"- requests/s: wrk -t1 -c{'/'.join(map(str, connections))}; latency: wrk -t1 -c1 (wrk's "
         "own percentiles). Added latency "
         "= target minus direct at the same percentile.\n"
@@ -859,6 +877,7 @@ def measure_all(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    global COMPLETION_TOKENS
     p = argparse.ArgumentParser(prog="python -m bench.runners.run_overhead", description=__doc__)
     p.add_argument("--smoke", action="store_true", help="1-second runs, seconds in all")
     p.add_argument("--targets", default=",".join(DEFAULT_TARGETS), help=f"from {list(TARGETS)}")
@@ -871,8 +890,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--latency", type=float, default=None, help="seconds per 1-conn run (3)")
     p.add_argument("--repeats", type=int, default=None, help="interleaved rounds, median (3)")
+    p.add_argument(
+        "--completion-tokens",
+        type=int,
+        default=COMPLETION_TOKENS,
+        help=f"generated ids in the backend's answer ({COMPLETION_TOKENS}; the recipe's rollouts "
+        "have ~600, each learned by the proxy and relayed with its logprobs)",
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
+    if args.completion_tokens < 1:
+        p.error("--completion-tokens: a positive integer")
+    COMPLETION_TOKENS = args.completion_tokens  # read by the answer, the bodies and the report
     names = [x for x in args.targets.split(",") if x]
     unknown = []
     for n in names:

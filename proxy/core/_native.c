@@ -284,17 +284,14 @@ done:
     return result;
 }
 
-/* The index of the first `needle` in s[from:n], or -1. */
+/* The index of the first `needle` in s[from:n], or -1 (glibc's memmem: a two-way search with
+ * vector instructions; a logprobs-laden answer has a quote every few bytes, so memchr on the
+ * needle's first byte stops at most of them). */
 static Py_ssize_t find_bytes(const unsigned char *s, Py_ssize_t from, Py_ssize_t n,
                              const char *needle, Py_ssize_t len) {
-    while (from + len <= n) {
-        const unsigned char *hit = memchr(s + from, needle[0], (size_t)(n - len + 1 - from));
-        if (hit == NULL) return -1;
-        Py_ssize_t at = hit - s;
-        if (memcmp(hit, needle, (size_t)len) == 0) return at;
-        from = at + 1;
-    }
-    return -1;
+    if (from > n) return -1;
+    const unsigned char *hit = memmem(s + from, (size_t)(n - from), needle, (size_t)len);
+    return hit == NULL ? -1 : hit - s;
 }
 
 /* completion_ids(answer) -> array('I') ids | None
