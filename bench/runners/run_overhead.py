@@ -62,8 +62,10 @@ MODEL = "Qwen/Qwen2.5-Math-1.5B"
 PROMPT_TOKENS = 512
 # Completion answered by the fake backends: 16 tokens with logprobs, the shape TRL reads. Small by
 # default, so that the benchmark isolates per-request overhead from body size; --completion-tokens
-# gives a rollout-sized answer (the proxy learns every generated id).
-COMPLETION_TOKENS = 16
+# gives a rollout-sized answer (the proxy learns every generated id), reported in
+# overhead_completion<N>.md beside overhead.md.
+DEFAULT_COMPLETION_TOKENS = 16
+COMPLETION_TOKENS = DEFAULT_COMPLETION_TOKENS
 
 # Workloads: one body repeated, or this many distinct prompts cycled.
 DISTINCT_PROMPTS = 64
@@ -798,14 +800,17 @@ def write_report(
         "the 1-connection run, where each request waits for all of it.\n"
         "- Every figure comes from this one run; failures (non-2xx) are counted in errors.\n"
     )
-    (out / "overhead.md").write_text("".join(md))
+    name = "overhead"
+    if COMPLETION_TOKENS != DEFAULT_COMPLETION_TOKENS:
+        name = f"overhead_completion{COMPLETION_TOKENS}"
+    (out / f"{name}.md").write_text("".join(md))
     raw = {
         "machine": machine,
         "command": command,
         "rows": [dataclasses.asdict(r) for r in rows],
     }
-    (out / "overhead.json").write_text(json.dumps(raw, indent=1))
-    return out / "overhead.md"
+    (out / f"{name}.json").write_text(json.dumps(raw, indent=1))
+    return out / f"{name}.md"
 
 
 def measure_all(

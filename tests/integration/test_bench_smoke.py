@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from bench.harness.procs import REPO, find_tool
+from bench.runners import count_instructions
 
 RUST_ROUTERS = ("vllm-router", "sglang-router")
 
@@ -123,10 +124,10 @@ def test_routing_smoke_with_rust_router(tmp_path: Path, router: str) -> None:
     _check_routing(tmp_path, [router])
 
 
-def _check_overhead(out: Path, targets: list[str]) -> None:
-    data = json.loads((out / "overhead.json").read_text())
+def _check_overhead(out: Path, targets: list[str], name: str = "overhead") -> None:
+    data = json.loads((out / f"{name}.json").read_text())
     rows = {(r["target"], r["body"]): r for r in data["rows"]}
-    report = (out / "overhead.md").read_text()
+    report = (out / f"{name}.md").read_text()
     for name in targets:
         for body in ("repeated", "distinct64"):
             r = rows[(name, body)]
@@ -182,6 +183,40 @@ def test_overhead_smoke_with_rust_routers(tmp_path: Path) -> None:
         str(tmp_path),
     )
     _check_overhead(tmp_path, targets)
+
+
+def test_overhead_smoke_with_a_rollout_sized_answer(tmp_path: Path) -> None:
+    """600 generated ids with their logprobs: longer than an nginx config string, so the
+    backend serves the answer from a file; reported beside the default answer's report."""
+    _need_overhead_tools()
+    _run(
+        "bench.runners.run_overhead",
+        "--smoke",
+        "--targets",
+        "direct,proxy",
+        "--completion-tokens",
+        "600",
+        "--out",
+        str(tmp_path),
+    )
+    _check_overhead(tmp_path, ["direct", "proxy"], name="overhead_completion600")
+    assert "a fixed 600-token completion" in (tmp_path / "overhead_completion600.md").read_text()
+    assert not (tmp_path / "overhead.md").exists()
+
+
+def test_instruction_count_driver_runs_the_request() -> None:
+    """What count_instructions runs under valgrind, run here without it (valgrind costs a
+    minute of CPU per count): every request answered 200, with short and rollout-sized answers."""
+    for tokens in ("16", "600"):
+        done = subprocess.run(
+            [sys.executable, "-P", "-c", count_instructions.DRIVER, str(REPO), "3", "30", "auto"]
+            + [tokens],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_profile_smoke(tmp_path: Path) -> None:
