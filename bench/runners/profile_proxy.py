@@ -24,6 +24,7 @@ from pathlib import Path
 
 from bench.analysis.report import table
 from bench.harness.procs import REPO, find_tool, managed, wait_http
+from bench.runners import run_overhead
 from bench.runners.run_overhead import BODIES, WRK_LUA, backend_conf, bodies
 from fakes.net import free_port
 
@@ -105,7 +106,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--lines", action="store_true", help="keep line numbers (functions split by line)"
     )
+    p.add_argument(
+        "--completion-tokens",
+        type=int,
+        default=run_overhead.DEFAULT_COMPLETION_TOKENS,
+        help="generated ids in the backend's answer (run_overhead's option)",
+    )
     args = p.parse_args(argv)
+    run_overhead.COMPLETION_TOKENS = args.completion_tokens  # backend_conf's answer
     tools = {t: find_tool(t) for t in ("nginx", "wrk", "py-spy")}
     missing = [t for t, path in tools.items() if path is None]
     if missing:
@@ -177,7 +185,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     md.append(
         f"`python -m bench.runners.profile_proxy "
         f"{' '.join(sys.argv[1:] if argv is None else argv)}`; "
-        f"proxy env {env or '{}'}; workload `{args.body}`; {total} samples at 100 Hz over "
+        f"proxy env {env or '{}'}; workload `{args.body}`, {args.completion_tokens} generated ids "
+        f"per answer; {total} samples at 100 Hz over "
         f"{args.duration} s of load "
         f"(idle event-loop waits excluded). wrk: `{summary}`.\n\n"
     )
@@ -209,11 +218,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     )
     args.out.mkdir(parents=True, exist_ok=True)
-    name = (
-        "overhead_profile.md"
-        if not env
-        else "overhead_profile_" + "_".join(v.lower() for v in env.values()) + ".md"
-    )
+    name = "overhead_profile" + "".join(f"_{v.lower()}" for v in env.values())
+    if args.completion_tokens != run_overhead.DEFAULT_COMPLETION_TOKENS:
+        name += f"_completion{args.completion_tokens}"
+    name += ".md"
     path = args.out / name
     kept = ""
     if path.exists() and KEEP_ABOVE in (previous := path.read_text()):
