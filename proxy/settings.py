@@ -204,8 +204,9 @@ class Settings(BaseSettings):
     )
     native: Literal["auto", "on", "off"] = Field(
         "auto",
-        description="Where a token-id completion's prompt scan and pack and block-chain hashing "
-        "run: the C extension proxy.core._native or its pure-Python reference, with the same "
+        description="Where a token-id completion's prompt scan and pack, the scan of its "
+        "answer's generated ids and block-chain hashing run: the C extension "
+        "proxy.core._native or its pure-Python reference, with the same "
         "routing decisions, keys and routes (docs/decisions/compiled-primitives.md). auto: the "
         "extension when built (pip install / make setup compile it given a C compiler); on: "
         "refuse to start without it; off: the reference. auto by default: the extension costs "
