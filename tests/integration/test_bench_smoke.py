@@ -17,6 +17,7 @@ import pytest
 
 from bench.harness.procs import REPO, find_tool
 from bench.runners import count_instructions
+from fakes.net import free_port
 
 RUST_ROUTERS = ("vllm-router", "sglang-router")
 
@@ -217,6 +218,29 @@ def test_instruction_count_driver_runs_the_request() -> None:
             timeout=120,
         )
         assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_whole_process_count_drives_every_target(tmp_path: Path) -> None:
+    """What ``count_instructions --whole-process`` runs under valgrind, run here without it:
+    each target (this tree's proxy, vllm-router when installed) started in front of the
+    backend and every request answered 200, with short and rollout-sized answers."""
+    _need_overhead_tools()
+    for tokens in (16, 600):
+        with count_instructions.backend(tokens, tmp_path) as urls:
+            port = free_port()
+            targets = count_instructions.process_targets(urls, port)
+            assert "this tree" in targets
+            for label, argv in targets.items():
+                count_instructions.serve_and_drive(
+                    f"{label.replace(' ', '_')}-{tokens}",
+                    argv,
+                    port,
+                    count_instructions.PROCESS_ENV,
+                    tmp_path,
+                    warm=10,
+                    requests=40,
+                    connections=4,
+                )
 
 
 def test_profile_smoke(tmp_path: Path) -> None:
