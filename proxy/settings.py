@@ -210,7 +210,7 @@ class Settings(BaseSettings):
         "routing decisions, keys and routes (docs/decisions/compiled-primitives.md). auto: the "
         "extension when built (pip install / make setup compile it given a C compiler); on: "
         "refuse to start without it; off: the reference. auto by default: the extension costs "
-        "less CPU per request (bench/results/overhead.md, proxy vs proxy-python).",
+        "less CPU per request (bench/results/micro_request.md: a whole request in process).",
     )
     shutdown_grace_s: float = Field(
         20,

@@ -1,4 +1,5 @@
-"""Overhead ratios paired by round: each target against vllm-router in the same round.
+"""Overhead ratios paired by round: each target against vllm-router (or ``--reference``) in
+the same round.
 
 On a shared machine a whole round can run slow or fast (other jobs, the host), which moves every
 target of that round together; a ratio of two medians taken over different rounds keeps that
@@ -6,6 +7,7 @@ swing, a ratio taken within each round cancels it. ``run_overhead`` runs every t
 round, in turn, so its JSON holds per-round samples in round order for every target.
 
     python -m bench.analysis.paired bench/results/overhead.json [more runs' overhead.json ...]
+    python -m bench.analysis.paired --reference proxy@base OUT/overhead.json   # tree vs tree
 
 prints, per workload and target, the median and range of the per-round ratios (CPU per request
 and requests/s, at each loaded connection count) over all the rounds of the files given.
@@ -57,16 +59,18 @@ def round_ratios(ours: Sequence[float], reference: Sequence[float]) -> list[floa
     return out
 
 
-def paired(runs: Iterable[dict[str, Any]], figures: Sequence[str]) -> list[Paired]:
-    """Every target's per-round ratios to ``REFERENCE``, pooled over ``runs`` (run_overhead's
-    JSON documents), by workload and figure."""
+def paired(
+    runs: Iterable[dict[str, Any]], figures: Sequence[str], against: str = REFERENCE
+) -> list[Paired]:
+    """Every target's per-round ratios to ``against`` (a target's name), pooled over ``runs``
+    (run_overhead's JSON documents), by workload and figure."""
     pooled: dict[tuple[str, str, str], list[float]] = {}
     for run in runs:
         rows = [r for r in run["rows"] if r.get("status", "ok") == "ok"]
-        reference = {r["body"]: r for r in rows if r["target"] == REFERENCE}
+        reference = {r["body"]: r for r in rows if r["target"] == against}
         for r in rows:
             ref = reference.get(r["body"])
-            if ref is None or r["target"] == REFERENCE:
+            if ref is None or r["target"] == against:
                 continue
             for figure in figures:
                 key = (r["body"], r["target"], figure)
@@ -95,13 +99,20 @@ def describe(p: Paired) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.analysis.paired", description=__doc__)
     parser.add_argument("runs", type=Path, nargs="+", help="run_overhead's overhead.json files")
+    parser.add_argument(
+        "--reference",
+        default=REFERENCE,
+        help=f"the target every other is divided by, round by round ({REFERENCE}; e.g. "
+        "proxy@base to compare two trees)",
+    )
     args = parser.parse_args(argv)
     runs = [json.loads(path.read_text()) for path in args.runs]
     figures = loaded_figures(runs)
-    for p in sorted(
-        paired(runs, figures), key=lambda p: (p.body, p.target, figures.index(p.figure))
-    ):
-        print(f"{p.body:<11} {p.target:<16} {p.figure:<20} x {REFERENCE}: {describe(p)}")
+    found = paired(runs, figures, args.reference)
+    if not found:
+        parser.error(f"no run has the reference target {args.reference!r} beside another target")
+    for p in sorted(found, key=lambda p: (p.body, p.target, figures.index(p.figure))):
+        print(f"{p.body:<11} {p.target:<16} {p.figure:<20} x {args.reference}: {describe(p)}")
     return 0
 
 

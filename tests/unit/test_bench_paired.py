@@ -65,3 +65,19 @@ def test_the_report_gives_the_paired_ratios_beside_the_medians() -> None:
     vr.settle()
     (line,) = run_overhead.against_targets([ours, vr], "repeated", [64])
     assert "paired by round: CPU 0.50x (0.50-0.50), requests/s 2.00x (2.00-2.00)" in line
+
+
+def test_a_tree_is_paired_against_another_tree(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Two trees and vllm-router in the same rounds: --reference divides by the other tree.
+    path = tmp_path / "overhead.json"
+    path.write_text(
+        json.dumps(run({"proxy": [60.0, 120.0], "proxy@base": [50.0, 100.0]}, [100.0, 200.0]))
+    )
+    assert paired.main(["--reference", "proxy@base", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "repeated    proxy            cpu_us_per_req@64    x proxy@base: 1.20 (1.20-1.20" in out
+    assert "vllm-router      cpu_us_per_req@64    x proxy@base: 2.00 (2.00-2.00" in out
+    with pytest.raises(SystemExit):
+        paired.main(["--reference", "proxy@nowhere", str(path)])
