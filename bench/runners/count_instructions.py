@@ -285,9 +285,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=prog, description=__doc__)
     p.add_argument("--requests", type=int, default=2000, help="requests counted (2000)")
     p.add_argument(
-        "--warm", type=int, default=WARM_REQUESTS, help=f"warm-up requests ({WARM_REQUESTS})"
+        "--warm",
+        type=int,
+        default=None,
+        help=f"warm-up requests ({WARM_REQUESTS} in process, {PROCESS_WARM_REQUESTS} with "
+        "--whole-process)",
     )
-    p.add_argument("--modes", default="auto", help="PROXY_NATIVE values, e.g. auto,off (auto)")
+    p.add_argument(
+        "--modes",
+        default="auto",
+        help="PROXY_NATIVE values, e.g. auto,off (auto; in process only: whole processes run "
+        "their default)",
+    )
     p.add_argument(
         "--completion-tokens",
         default="16,600",
@@ -309,9 +318,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     lengths = [int(t) for t in args.completion_tokens.split(",") if t.strip()]
     if args.whole_process:
-        if args.warm == WARM_REQUESTS:
+        if args.warm is None:
             args.warm = PROCESS_WARM_REQUESTS
         return main_processes(args, lengths)
+    if args.warm is None:
+        args.warm = WARM_REQUESTS
     targets = {"this tree": (Path(sys.executable), REPO)}
     targets |= {label: (path / ".venv" / "bin" / "python", path) for label, path in trees().items()}
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
