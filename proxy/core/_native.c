@@ -284,14 +284,34 @@ done:
     return result;
 }
 
-/* The index of the first `needle` in s[from:n], or -1 (glibc's memmem: a two-way search with
- * vector instructions; a logprobs-laden answer has a quote every few bytes, so memchr on the
- * needle's first byte stops at most of them). */
-static Py_ssize_t find_bytes(const unsigned char *s, Py_ssize_t from, Py_ssize_t n,
-                             const char *needle, Py_ssize_t len) {
-    if (from > n) return -1;
-    const unsigned char *hit = memmem(s + from, (size_t)(n - from), needle, (size_t)len);
-    return hit == NULL ? -1 : hit - s;
+/* Candidates find_key checks one by one before it leaves the rest to memmem: an answer whose
+ * text is full of the pivot byte (snake_case code, say) then costs one linear search more, not a
+ * comparison per byte. */
+#define MAX_PIVOT_MISSES 64
+
+/* The index of the first `needle` in s[from:n], or -1. memchr (vectorised) looks for the needle's
+ * byte at `pivot`, one that is rare in an answer: "token_ids"'s '_' occurs in a dozen key names
+ * of a vLLM answer, where the needle's first byte, a quote, occurs every few bytes of its
+ * logprobs, and glibc's memmem steps through every byte (docs/performance.md has the figures).
+ * Each hit is compared whole; past MAX_PIVOT_MISSES misses (answers whose tokens are written as
+ * "token_id:N" have two underscores per token) memmem searches the rest, from just after the
+ * last candidate. */
+static Py_ssize_t find_key(const unsigned char *s, Py_ssize_t from, Py_ssize_t n,
+                           const char *needle, Py_ssize_t len, Py_ssize_t pivot) {
+    int misses = 0;
+    for (Py_ssize_t i = from + pivot; i < n;) {
+        const unsigned char *hit = memchr(s + i, needle[pivot], (size_t)(n - i));
+        if (hit == NULL) return -1;
+        Py_ssize_t start = (hit - s) - pivot; /* >= from: hit >= s + from + pivot */
+        if (start + len <= n && memcmp(s + start, needle, (size_t)len) == 0) return start;
+        if (++misses > MAX_PIVOT_MISSES) {
+            const unsigned char *found =
+                memmem(s + start + 1, (size_t)(n - start - 1), needle, (size_t)len);
+            return found == NULL ? -1 : found - s;
+        }
+        i = (hit - s) + 1;
+    }
+    return -1;
 }
 
 /* completion_ids(answer) -> array('I') ids | None
@@ -311,8 +331,9 @@ static PyObject *completion_ids(PyObject *self, PyObject *arg) {
     Py_ssize_t n = view.len;
     IdBuffer ids = {NULL, 0, 0};
     PyObject *result = NULL;
-    Py_ssize_t at = find_bytes(s, 0, n, key, key_len);
-    if (at < 0 || find_bytes(s, at + key_len, n, key, key_len) >= 0) goto fallback;
+    const Py_ssize_t pivot = 6; /* key[6] is '_' */
+    Py_ssize_t at = find_key(s, 0, n, key, key_len, pivot);
+    if (at < 0 || find_key(s, at + key_len, n, key, key_len, pivot) >= 0) goto fallback;
     Py_ssize_t i = skip_ws(s, at + key_len, n);
     if (i >= n || s[i] != ':') goto fallback;
     i = skip_ws(s, i + 1, n);

