@@ -194,7 +194,6 @@ PROCESS_ENV = {"PYTHONHASHSEED": "0", "PROXY_HEALTH_INTERVAL_S": str(HOUR_S)}
 def backend(tokens: int, log_dir: Path) -> Iterator[list[str]]:
     """run_overhead's nginx backend (two fake replicas answering ``tokens`` generated ids at
     once) for the block; yields their base URLs."""
-    run_overhead.COMPLETION_TOKENS = tokens  # read by backend_conf's answer
     nginx = find_tool("nginx")
     if nginx is None:
         raise RuntimeError("nginx is not installed (apt-get install -y nginx)")
@@ -202,7 +201,14 @@ def backend(tokens: int, log_dir: Path) -> Iterator[list[str]]:
     with tempfile.TemporaryDirectory(prefix="rollout-backend-") as tmp:
         prefix = Path(tmp)
         prefix.chmod(0o755)  # nginx workers drop privileges when started as root
-        (prefix / "nginx.conf").write_text(run_overhead.backend_conf(prefix, ports))
+        # backend_conf's answer reads run_overhead's module-wide answer size: set for this
+        # config only, so that nothing else in the process (a report's name) sees it changed.
+        default, run_overhead.COMPLETION_TOKENS = run_overhead.COMPLETION_TOKENS, tokens
+        try:
+            conf = run_overhead.backend_conf(prefix, ports)
+        finally:
+            run_overhead.COMPLETION_TOKENS = default
+        (prefix / "nginx.conf").write_text(conf)
         argv = [nginx, "-p", str(prefix), "-c", str(prefix / "nginx.conf"), "-g", "daemon off;"]
         with managed("backend-nginx", argv, log_dir / f"backend-{tokens}.log") as proc:
             for port in ports:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from bench.harness.procs import REPO, find_tool
-from bench.runners import count_instructions
+from bench.runners import count_instructions, run_overhead
 from fakes.net import free_port
 
 RUST_ROUTERS = ("vllm-router", "sglang-router")
@@ -241,6 +241,9 @@ def test_whole_process_count_drives_every_target(tmp_path: Path) -> None:
                     requests=40,
                     connections=4,
                 )
+    # The answer size was set for the backend's config only: reports written later in this
+    # process (their file name depends on it) see the default.
+    assert run_overhead.COMPLETION_TOKENS == run_overhead.DEFAULT_COMPLETION_TOKENS
 
 
 def test_profile_smoke(tmp_path: Path) -> None:
