@@ -197,22 +197,10 @@ def backend(tokens: int, log_dir: Path) -> Iterator[list[str]]:
     nginx = find_tool("nginx")
     if nginx is None:
         raise RuntimeError("nginx is not installed (apt-get install -y nginx)")
-    ports = [free_port(), free_port()]
     with tempfile.TemporaryDirectory(prefix="rollout-backend-") as tmp:
-        prefix = Path(tmp)
-        prefix.chmod(0o755)  # nginx workers drop privileges when started as root
-        # backend_conf's answer reads run_overhead's module-wide answer size: set for this
-        # config only, so that nothing else in the process (a report's name) sees it changed.
-        default, run_overhead.COMPLETION_TOKENS = run_overhead.COMPLETION_TOKENS, tokens
-        try:
-            conf = run_overhead.backend_conf(prefix, ports)
-        finally:
-            run_overhead.COMPLETION_TOKENS = default
-        (prefix / "nginx.conf").write_text(conf)
-        argv = [nginx, "-p", str(prefix), "-c", str(prefix / "nginx.conf"), "-g", "daemon off;"]
-        with managed("backend-nginx", argv, log_dir / f"backend-{tokens}.log") as proc:
-            for port in ports:
-                wait_http(f"http://127.0.0.1:{port}/health", 10, proc=proc)
+        Path(tmp).chmod(0o755)  # nginx workers drop privileges when started as root
+        log = log_dir / f"backend-{tokens}.log"
+        with run_overhead.nginx_backend(nginx, Path(tmp) / "backend", log, tokens) as (_, ports):
             yield [f"http://127.0.0.1:{p}" for p in ports]
 
 

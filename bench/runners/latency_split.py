@@ -34,9 +34,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench.harness.procs import find_tool, managed, wait_http
+from bench.harness.procs import find_tool
 from bench.runners import run_overhead as ro
-from fakes.net import free_port
 
 READS = ("read", "recvfrom")
 WRITES = ("write", "writev", "sendto")
@@ -147,19 +146,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="rollout-split-") as tmp_name:
         tmp = Path(tmp_name)
         tmp.chmod(0o755)
-        ports = [free_port(), free_port()]
-        prefix = tmp / "backend"
-        prefix.mkdir()
-        (prefix / "nginx.conf").write_text(ro.backend_conf(prefix, ports))
-        argv_backend = [nginx, "-p", str(prefix), "-c", str(prefix / "nginx.conf")]
         with (
-            managed(
-                "backend-nginx", [*argv_backend, "-g", "daemon off;"], log_dir / "split-backend.log"
-            ) as backend,
+            ro.nginx_backend(nginx, tmp / "backend", log_dir / "split-backend.log") as (_, ports),
             contextlib.ExitStack() as stack,
         ):
-            for port in ports:
-                wait_http(f"http://127.0.0.1:{port}/health", 10, proc=backend)
             running, rows = ro.start_targets(names, [args.body], ports, tmp, log_dir, stack)
             for row in rows.values():
                 if row.status != "ok":

@@ -25,7 +25,7 @@ from pathlib import Path
 from bench.analysis.report import table
 from bench.harness.procs import REPO, find_tool, managed, wait_http
 from bench.runners import run_overhead
-from bench.runners.run_overhead import BODIES, WRK_LUA, backend_conf, bodies
+from bench.runners.run_overhead import BODIES, WRK_LUA, bodies, nginx_backend
 from fakes.net import free_port
 
 DEFAULT_OUT = REPO / "bench" / "results"
@@ -127,16 +127,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ):
         tmp = Path(tmp_name)
         tmp.chmod(0o755)
-        ports = [free_port(), free_port()]
-        prefix = tmp / "backend"
-        prefix.mkdir()
-        (prefix / "nginx.conf").write_text(backend_conf(prefix, ports))
-        nginx_argv = [str(tools["nginx"]), "-p", str(prefix), "-c", str(prefix / "nginx.conf")]
-        backend = st.enter_context(
-            managed("backend", [*nginx_argv, "-g", "daemon off;"], log_dir / "prof-backend.log")
+        _, ports = st.enter_context(
+            nginx_backend(str(tools["nginx"]), tmp / "backend", log_dir / "prof-backend.log")
         )
-        for port in ports:
-            wait_http(f"http://127.0.0.1:{port}/health", 10, proc=backend)
         port = free_port()
         urls = ",".join(f"http://127.0.0.1:{p}" for p in ports)
         argv_proxy = [sys.executable, "-m", "proxy", "--replicas", urls, "--port", str(port)]

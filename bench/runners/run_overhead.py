@@ -40,7 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -277,8 +277,11 @@ def completion_request(text_prompt: bool, seed: int = 0) -> dict[str, object]:
     }
 
 
-def _fixed_completion() -> str:
-    ids = list(range(1000, 1000 + COMPLETION_TOKENS))
+def _fixed_completion(tokens: int | None = None) -> str:
+    """The backend's answer: ``tokens`` generated ids (the module's COMPLETION_TOKENS when None,
+    as older checkouts' drivers set it) with their logprobs."""
+    n = COMPLETION_TOKENS if tokens is None else tokens
+    ids = list(range(1000, 1000 + n))
     toks = [f"token_id:{t}" for t in ids]
     body = {
         "id": "cmpl-fake",
@@ -288,10 +291,10 @@ def _fixed_completion() -> str:
         "choices": [
             {
                 "index": 0,
-                "text": "x" * COMPLETION_TOKENS,
+                "text": "x" * n,
                 "logprobs": {
-                    "text_offset": list(range(COMPLETION_TOKENS)),
-                    "token_logprobs": [-0.5] * COMPLETION_TOKENS,
+                    "text_offset": list(range(n)),
+                    "token_logprobs": [-0.5] * n,
                     "tokens": toks,
                     "top_logprobs": [{t: -0.5} for t in toks],
                 },
@@ -302,8 +305,8 @@ def _fixed_completion() -> str:
         ],
         "usage": {
             "prompt_tokens": PROMPT_TOKENS,
-            "completion_tokens": COMPLETION_TOKENS,
-            "total_tokens": PROMPT_TOKENS + COMPLETION_TOKENS,
+            "completion_tokens": n,
+            "total_tokens": PROMPT_TOKENS + n,
         },
     }
     return json.dumps(body, separators=(",", ":"))
@@ -351,8 +354,9 @@ def _nginx_string(s: str) -> str:
     return f"'{s}'"
 
 
-def backend_conf(prefix: Path, ports: Sequence[int]) -> str:
-    """nginx config: each port is a fake vLLM replica answering instantly."""
+def backend_conf(prefix: Path, ports: Sequence[int], tokens: int | None = None) -> str:
+    """nginx config: each port is a fake vLLM replica answering instantly, with ``tokens``
+    generated ids (``_fixed_completion``)."""
     metrics_text = (
         "# TYPE vllm:num_requests_waiting gauge\n"
         'vllm:num_requests_waiting{engine="0"} 0.0\n'
@@ -371,7 +375,7 @@ def backend_conf(prefix: Path, ports: Sequence[int]) -> str:
         f"        location = {path} {{ default_type {ctype}; return 200 {answer}; }}"
         for path, ctype, answer in locations
     )
-    answer = _fixed_completion()
+    answer = _fixed_completion(tokens)
     if len(answer) < NGINX_MAX_STRING:
         body += (
             "\n        location = /v1/completions { default_type application/json; "
@@ -397,6 +401,24 @@ def backend_conf(prefix: Path, ports: Sequence[int]) -> str:
     }}"""
         )
     return _nginx_main(prefix, "\n".join(servers))
+
+
+@contextlib.contextmanager
+def nginx_backend(
+    nginx: str, prefix: Path, log_path: Path, tokens: int | None = None
+) -> Iterator[tuple[ManagedProcess, list[int]]]:
+    """The benchmarks' backend for the block: one nginx serving two fake replicas
+    (``backend_conf``, ``tokens`` generated ids) from ``prefix``, which it creates; nginx workers
+    drop privileges when started as root, so ``prefix``'s parents must be world-readable.
+    Yields the process and the two ports, both answering."""
+    ports = [free_port(), free_port()]
+    prefix.mkdir()
+    (prefix / "nginx.conf").write_text(backend_conf(prefix, ports, tokens))
+    argv = [nginx, "-p", str(prefix), "-c", str(prefix / "nginx.conf"), "-g", "daemon off;"]
+    with managed("backend-nginx", argv, log_path) as proc:
+        for port in ports:
+            wait_http(f"http://127.0.0.1:{port}/health", 10, proc=proc)
+        yield proc, ports
 
 
 def passthrough_conf(prefix: Path, port: int, backends: Sequence[int]) -> str:
@@ -827,18 +849,13 @@ def measure_all(
     with tempfile.TemporaryDirectory(prefix="rollout-bench-") as tmp_name:
         tmp = Path(tmp_name)
         tmp.chmod(0o755)  # nginx workers drop privileges when started as root
-        backend_ports = [free_port(), free_port()]
-        prefix = tmp / "backend"
-        prefix.mkdir()
-        (prefix / "nginx.conf").write_text(backend_conf(prefix, backend_ports))
-        argv_backend = [nginx, "-p", str(prefix), "-c", str(prefix / "nginx.conf")]
-        argv_backend += ["-g", "daemon off;"]
         with (
-            managed("backend-nginx", argv_backend, log_dir / "overhead-backend.log") as backend,
+            nginx_backend(nginx, tmp / "backend", log_dir / "overhead-backend.log") as (
+                backend,
+                backend_ports,
+            ),
             contextlib.ExitStack() as stack,
         ):
-            for port in backend_ports:
-                wait_http(f"http://127.0.0.1:{port}/health", 10, proc=backend)
             running, rows = start_targets(names, body_kinds, backend_ports, tmp, log_dir, stack)
             for kind in body_kinds:
                 for run in running.values():  # warm-up: connections, pools, caches
