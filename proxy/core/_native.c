@@ -332,7 +332,7 @@ static PyObject *completion_ids(PyObject *self, PyObject *arg) {
     Py_ssize_t n = view.len;
     IdBuffer ids = {NULL, 0, 0};
     PyObject *result = NULL;
-    const Py_ssize_t pivot = 6; /* key[6] is '_' */
+    const Py_ssize_t pivot = (Py_ssize_t)(strchr(key, '_') - key);
     Py_ssize_t at = find_key(s, 0, n, key, key_len, pivot);
     if (at < 0 || find_key(s, at + key_len, n, key, key_len, pivot) >= 0) goto fallback;
     Py_ssize_t i = skip_ws(s, at + key_len, n);
